@@ -1,0 +1,217 @@
+"""What kind of array is this? Family, device and layout, without importing any array library.
+
+An array's *family* is the library it belongs to (``"numpy"``, ``"torch"``, ``"cupy"``, ``"jax"``,
+``"dask"``, or the top-level module name of anything else). It is read from the module names on
+the array type's MRO, so a NumPy subclass is still ``"numpy"`` and no library is ever imported
+here. Each array type gets one :class:`Inspector`, cached per type, which reads the metadata that
+validation and dispatch need: a cheap hashable ``key`` for the call cache, and a full
+:class:`ArrayInfo` on a cache miss.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["ArrayInfo", "Inspector", "family_of", "info", "inspector", "is_array"]
+
+KNOWN_FAMILIES: Final = ("numpy", "torch", "cupy", "jax", "dask")
+_MODULE_ALIASES: Final = {"jaxlib": "jax"}
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """Metadata of one array, as validation and dispatch see it.
+
+    ``strides`` are in elements (``None`` when the library has no strided memory, as JAX and
+    Dask, or when a byte stride is not a whole number of elements). ``device`` is a full name
+    (``"cpu"``, ``"cuda:0"``); ``device_kind`` its kind (``"cpu"``, ``"cuda"``).
+    """
+
+    family: str
+    type_name: str
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None
+    itemsize: int
+    device: str
+    device_kind: str
+    requires_grad: bool = False
+    writeable: bool = True
+    masked: bool = False
+    native_byte_order: bool = True
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = getattr(dtype, "name", None)
+    if isinstance(name, str):
+        return name
+    text = str(dtype)
+    return text.removeprefix("torch.")
+
+
+class Inspector:
+    """Reads metadata of arrays of one type; subclasses know one family each."""
+
+    family: str = "unknown"
+
+    def __init__(self, array_type: type, family: str) -> None:
+        self.array_type = array_type
+        self.family = family
+        self.type_name = f"{array_type.__module__}.{array_type.__qualname__}"
+
+    def key(self, x: Any) -> tuple[Any, ...]:
+        """A hashable summary of everything validation depends on (dtype, shape, layout, device)."""
+        return (str(x.dtype), tuple(x.shape), self._device(x))
+
+    def info(self, x: Any) -> ArrayInfo:
+        """The full metadata of ``x``."""
+        device = self._device(x)
+        return ArrayInfo(
+            family=self.family,
+            type_name=self.type_name,
+            dtype=_dtype_name(x.dtype),
+            shape=tuple(int(n) for n in x.shape),
+            strides=None,
+            itemsize=int(getattr(x.dtype, "itemsize", 0) or 0),
+            device=device,
+            device_kind=_device_kind(device),
+        )
+
+    def address(self, x: Any) -> int | None:
+        """The address of element 0, or ``None`` when the library has no addressable memory."""
+        return None
+
+    def _device(self, x: Any) -> str:
+        import array_api_compat
+
+        try:
+            return str(array_api_compat.device(x))
+        except Exception:  # a library array_api_compat does not know: assume host memory
+            return "cpu"
+
+
+def _device_kind(device: str) -> str:
+    lowered = device.lower()
+    if "cuda" in lowered or "gpu" in lowered:
+        return "cuda"
+    return lowered.split(":")[0] if lowered else "cpu"
+
+
+class NumpyInspector(Inspector):
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, x.shape, x.strides)
+
+    def info(self, x: Any) -> ArrayInfo:
+        itemsize = x.dtype.itemsize
+        strides: tuple[int, ...] | None = tuple(s // itemsize for s in x.strides)
+        if any(s % itemsize for s in x.strides):
+            strides = None
+        return ArrayInfo(
+            family="numpy",
+            type_name=self.type_name,
+            dtype=x.dtype.name,
+            shape=x.shape,
+            strides=strides,
+            itemsize=itemsize,
+            device="cpu",
+            device_kind="cpu",
+            writeable=bool(x.flags.writeable),
+            masked=type(x).__module__.startswith("numpy.ma"),
+            native_byte_order=x.dtype.isnative,
+        )
+
+    def address(self, x: Any) -> int:
+        return int(x.__array_interface__["data"][0])
+
+
+class TorchInspector(Inspector):
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)
+
+    def info(self, x: Any) -> ArrayInfo:
+        device = str(x.device)
+        return ArrayInfo(
+            family="torch",
+            type_name=self.type_name,
+            dtype=str(x.dtype).removeprefix("torch."),
+            shape=tuple(x.shape),
+            strides=tuple(x.stride()),
+            itemsize=x.element_size(),
+            device=device,
+            device_kind=x.device.type,
+            requires_grad=bool(x.requires_grad),
+        )
+
+    def address(self, x: Any) -> int:
+        return int(x.data_ptr())
+
+
+class CupyInspector(Inspector):
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, x.shape, x.strides, x.device.id)
+
+    def info(self, x: Any) -> ArrayInfo:
+        itemsize = x.dtype.itemsize
+        strides: tuple[int, ...] | None = tuple(s // itemsize for s in x.strides)
+        if any(s % itemsize for s in x.strides):
+            strides = None
+        return ArrayInfo(
+            family="cupy",
+            type_name=self.type_name,
+            dtype=x.dtype.name,
+            shape=x.shape,
+            strides=strides,
+            itemsize=itemsize,
+            device=f"cuda:{x.device.id}",
+            device_kind="cuda",
+            native_byte_order=x.dtype.isnative,
+        )
+
+    def address(self, x: Any) -> int:
+        return int(x.data.ptr)
+
+
+_INSPECTORS: Final[dict[str, type[Inspector]]] = {
+    "numpy": NumpyInspector,
+    "torch": TorchInspector,
+    "cupy": CupyInspector,
+}
+
+
+@functools.lru_cache(maxsize=512)
+def _family_of_type(array_type: type) -> str:
+    for cls in array_type.__mro__:
+        root = cls.__module__.split(".")[0]
+        root = _MODULE_ALIASES.get(root, root)
+        if root in KNOWN_FAMILIES:
+            return root
+    root = array_type.__module__.split(".")[0]
+    return _MODULE_ALIASES.get(root, root)
+
+
+def family_of(x: Any) -> str:
+    """The array library ``x`` belongs to, by module name (``"numpy"``, ``"torch"``, …)."""
+    return _family_of_type(type(x))
+
+
+@functools.lru_cache(maxsize=512)
+def inspector(array_type: type) -> Inspector:
+    """The cached :class:`Inspector` for arrays of ``array_type``."""
+    family = _family_of_type(array_type)
+    return _INSPECTORS.get(family, Inspector)(array_type, family)
+
+
+def info(x: Any) -> ArrayInfo:
+    """The full :class:`ArrayInfo` of ``x``."""
+    return inspector(type(x)).info(x)
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` looks like an array (has ``shape`` and ``dtype``)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")

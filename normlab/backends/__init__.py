@@ -1,0 +1,103 @@
+"""The built-in backends, registered through the same hook a third-party plugin implements.
+
+Nothing here imports an array library: availability checks run lazily, when a backend is
+first considered, and each backend module imports its library inside itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Final
+
+from normlab.hookspecs import BackendRecord, hookimpl
+
+__all__ = ["BUILTIN_RECORDS", "normlab_backends"]
+
+_FLOATS: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def _installed(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed"
+    return None
+
+
+def _numpy_check() -> str | None:
+    return None
+
+
+def _numba_check() -> str | None:
+    return _installed("numba")
+
+
+def _torch_check() -> str | None:
+    return _installed("torch")
+
+
+def _cupy_check() -> str | None:
+    missing = _installed("cupy")
+    if missing:
+        return missing
+    from normlab.backends.cupy_backend import device_problem
+
+    return device_problem()
+
+
+BUILTIN_RECORDS: Final = (
+    BackendRecord(
+        name="numpy",
+        module="normlab.backends.numpy_backend",
+        families=frozenset({"numpy"}),
+        devices=frozenset({"cpu"}),
+        dtypes=_FLOATS,
+        priority=10,
+        capabilities=frozenset({"strided", "out", "inplace"}),
+        check=_numpy_check,
+        library="numpy",
+        description="cache-blocked NumPy ufuncs; float32 accumulation for half types",
+    ),
+    BackendRecord(
+        name="numba",
+        module="normlab.backends.numba_backend",
+        families=frozenset({"numpy"}),
+        devices=frozenset({"cpu"}),
+        dtypes=_FLOATS,
+        priority=20,
+        capabilities=frozenset({"strided", "out", "inplace"}),
+        explicit_families=frozenset({"torch"}),
+        check=_numba_check,
+        library="numba",
+        description="fused, parallel Numba JIT kernels (prange over rows)",
+    ),
+    BackendRecord(
+        name="torch",
+        module="normlab.backends.torch_backend",
+        families=frozenset({"torch"}),
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=_FLOATS,
+        priority=10,
+        capabilities=frozenset({"autograd"}),
+        check=_torch_check,
+        library="torch",
+        description="torch.nn.functional.layer_norm (autograd kept)",
+    ),
+    BackendRecord(
+        name="cupy",
+        module="normlab.backends.cupy_backend",
+        families=frozenset({"cupy"}),
+        devices=frozenset({"cuda"}),
+        dtypes=_FLOATS,
+        priority=20,
+        capabilities=frozenset({"row_strided", "out", "inplace"}),
+        explicit_families=frozenset({"torch"}),
+        check=_cupy_check,
+        library="cupy-cuda13x",
+        description="raw CUDA kernels compiled with NVRTC, loaded through CuPy",
+    ),
+)
+
+
+@hookimpl
+def normlab_backends() -> list[BackendRecord]:
+    """The four built-in backends."""
+    return list(BUILTIN_RECORDS)

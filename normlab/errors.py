@@ -1,0 +1,46 @@
+"""The exceptions and the warning class normlab raises.
+
+Every problem with a caller's input is a :class:`NormlabError` subclass whose message names the
+values involved. Each subclass also derives from the builtin exception a Python user would expect
+(``ValueError`` for bad shapes, ``TypeError`` for bad dtypes, ``LookupError`` for backends).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgumentError",
+    "BackendError",
+    "DeviceError",
+    "DtypeError",
+    "NormlabError",
+    "NormlabWarning",
+    "ShapeError",
+]
+
+
+class NormlabError(Exception):
+    """Base class of every error normlab raises about its inputs or its backends."""
+
+
+class ShapeError(NormlabError, ValueError):
+    """Shapes, axes or ``normalized_shape`` do not fit together."""
+
+
+class ArgumentError(NormlabError, ValueError):
+    """An argument has a bad value (eps, out, an unknown keyword value)."""
+
+
+class DtypeError(NormlabError, TypeError):
+    """An array has a dtype (or is a kind of array) that normlab does not accept."""
+
+
+class DeviceError(NormlabError, ValueError):
+    """Arrays live on different devices or in different array libraries."""
+
+
+class BackendError(NormlabError, LookupError):
+    """No backend by that name, or the backend cannot serve this array."""
+
+
+class NormlabWarning(UserWarning):
+    """Base class of every warning normlab emits (bad plugins, bad ``NORMLAB_BACKEND``)."""

@@ -1,0 +1,92 @@
+"""The plugin interface: one pluggy hook that returns backend records.
+
+A plugin (a module or object) implements::
+
+    import normlab
+
+    @normlab.hookimpl
+    def normlab_backends():
+        return [normlab.BackendRecord(name="mine", module="my_pkg.kernels", ...)]
+
+and is found through the ``normlab`` entry-point group, the ``NORMLAB_PLUGINS`` environment
+variable, or :func:`normlab.register_plugin`. A record is static metadata: normlab imports
+``module`` (and with it the array library) only when the backend is first used.
+
+The module named by a record defines, for each op in ``ops``, a function of that name::
+
+    def layer_norm(x, weight, bias, *, plan, out):
+        '''x: 2-D (plan.rows, plan.cols) array of the backend's family, rows normalized
+        independently; weight/bias: 1-D (plan.cols,) contiguous arrays or None; out: None, or
+        a 2-D array to write y into (only passed when the record claims "out").
+        Returns (y, mean, rstd): y 2-D in x's dtype (``out`` itself when given); mean and rstd
+        1-D (plan.rows,) in plan.stats_dtype when plan.return_stats, else None.'''
+
+plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray, like=None)`` (the
+conformance suite drives every backend through these two; ``like`` is an array whose device
+the result should share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import pluggy
+
+__all__ = ["CAPABILITIES", "PROJECT", "BackendRecord", "hookimpl", "hookspec", "normlab_backends"]
+
+PROJECT: Final = "normlab"
+hookspec: Final = pluggy.HookspecMarker(PROJECT)
+hookimpl: Final = pluggy.HookimplMarker(PROJECT)
+
+#: What a backend may claim beyond reading C-contiguous rows.
+CAPABILITIES: Final = frozenset(
+    {
+        "strided",  # reads a 2-D view with any row and column strides, without a copy
+        "row_strided",  # reads a 2-D view with any row stride and unit column stride
+        "out",  # writes into a caller's 2-D ``out`` (with the same stride rules as x)
+        "inplace",  # ``out`` may be the very memory of ``x``
+        "autograd",  # serves arrays that require grad and keeps the graph
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRecord:
+    """Static description of one backend, as returned by the ``normlab_backends`` hook.
+
+    Attributes:
+        name: unique backend name (``backend="name"`` selects it).
+        module: import path of the module holding the op functions and the NumPy converters.
+        families: array families served by default (``"numpy"``, ``"torch"``, ``"cupy"``, …).
+        devices: device kinds served (``"cpu"``, ``"cuda"``).
+        dtypes: dtype names served (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``).
+        ops: op names provided (``"layer_norm"``; later ``"rms_norm"`` and backward ops).
+        priority: higher wins among backends that can serve an array.
+        capabilities: a subset of :data:`CAPABILITIES`.
+        explicit_families: further families served only when the caller names this backend
+            (zero-copy service of another library's arrays, e.g. numba for torch CPU tensors).
+        check: called lazily (never at ``import normlab``); returns ``None`` when the backend can
+            run here, else the reason it cannot ("numba is not installed", "no CUDA device").
+        library: the distribution whose version ``normlab info`` shows (``"numba"``).
+        description: one line for ``normlab info``.
+    """
+
+    name: str
+    module: str
+    families: frozenset[str]
+    devices: frozenset[str]
+    dtypes: frozenset[str]
+    ops: frozenset[str] = frozenset({"layer_norm"})
+    priority: int = 0
+    capabilities: frozenset[str] = frozenset()
+    explicit_families: frozenset[str] = frozenset()
+    check: Callable[[], str | None] | None = None
+    library: str | None = None
+    description: str = ""
+
+
+@hookspec
+def normlab_backends() -> list[BackendRecord]:  # type: ignore[empty-body]
+    """Return the backend records this plugin provides."""

@@ -1,0 +1,414 @@
+"""Validation: every rule of the contract that is not arithmetic, checked once per call shape.
+
+:func:`plan` turns the arguments of a normalization call into a :class:`Plan` (rows, cols, axes,
+dtypes, eps, layout) or raises a :class:`~normlab.errors.NormlabError` subclass that names the
+values involved. Plans are cached by the arguments' metadata (type, dtype, shape, strides,
+device), so a repeated call costs one dictionary lookup. Backends receive a validated Plan and
+never re-check.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from normlab import arrays
+from normlab.arrays import ArrayInfo
+from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
+
+__all__ = ["FLOAT_DTYPES", "HALF_DTYPES", "Plan", "plan", "row_view_strides", "stats_dtype_for"]
+
+FLOAT_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES: Final = frozenset({"float16", "bfloat16"})
+OPS: Final = ("layer_norm",)
+_PLAN_CACHE_SIZE: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated normalization call, independent of any backend.
+
+    The normalized axes (``axes``) are reduced; the other axes (``batch_axes``) index rows.
+    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array is viewed with
+    the batch axes first and the normalized axes last (``permutation``, ``None`` when that is
+    already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
+    strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
+    needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
+    """
+
+    op: str
+    family: str
+    device: str
+    device_kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    batch_axes: tuple[int, ...]
+    normalized_shape: tuple[int, ...]
+    rows: int
+    cols: int
+    compute_dtype: str
+    stats_dtype: str
+    weight_dtype: str | None
+    bias_dtype: str | None
+    eps: float
+    return_stats: bool
+    requires_grad: bool
+    permutation: tuple[int, ...] | None
+    x_strides: tuple[int, int] | None
+    x_native: bool
+    has_out: bool
+    out_strides: tuple[int, int] | None
+    out_stats: tuple[bool, bool]
+    dispatch_key: tuple[Any, ...]
+    routes: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def has_weight(self) -> bool:
+        return self.weight_dtype is not None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_dtype is not None
+
+    @property
+    def stats_shape(self) -> tuple[int, ...]:
+        """Shape of ``mean``/``rstd`` as returned to the caller: x's shape, 1 on normalized axes."""
+        return tuple(1 if a in self.axes else n for a, n in enumerate(self.shape))
+
+    @property
+    def empty(self) -> bool:
+        return self.rows == 0 or self.cols == 0
+
+
+def stats_dtype_for(dtype: str) -> str:
+    """The dtype of statistics and accumulation for inputs of ``dtype``."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def row_view_strides(
+    shape: tuple[int, ...],
+    strides: tuple[int, ...] | None,
+    batch_axes: tuple[int, ...],
+    axes: tuple[int, ...],
+) -> tuple[int, int] | None:
+    """Element strides ``(row, col)`` of a 2-D ``(rows, cols)`` view, or ``None`` if none exists.
+
+    The batch axes must collapse into one stride and the normalized axes into another (axes of
+    size 1 do not matter). A size-1 side gets the stride that a C-contiguous array would have.
+    """
+    if strides is None:
+        return None
+    cols_stride = _collapsed_stride([(shape[a], strides[a]) for a in axes], default=1)
+    if cols_stride is None:
+        return None
+    cols = math.prod(shape[a] for a in axes)
+    rows_stride = _collapsed_stride([(shape[a], strides[a]) for a in batch_axes], default=cols)
+    if rows_stride is None:
+        return None
+    return rows_stride, cols_stride
+
+
+def _collapsed_stride(dims: list[tuple[int, int]], default: int) -> int | None:
+    dims = [(n, s) for n, s in dims if n != 1]
+    if not dims:
+        return default
+    for (_, outer), (inner_n, inner) in zip(dims, dims[1:]):
+        if outer != inner * inner_n:
+            return None
+    return dims[-1][1]
+
+
+_cache: dict[tuple[Any, ...], Plan] = {}
+
+
+def plan(
+    op: str,
+    x: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    axis: Any,
+    return_stats: Any,
+    out: Any,
+) -> Plan:
+    """Validate a call and return its :class:`Plan` (cached by the arguments' metadata)."""
+    key: tuple[Any, ...] | None
+    try:
+        key = (
+            op,
+            type(x),
+            arrays.inspector(type(x)).key(x),
+            _shape_key(normalized_shape),
+            _shape_key(axis),
+            _param_key(weight),
+            _param_key(bias),
+            eps,
+            return_stats,
+            _out_key(out),
+        )
+        cached = _cache.get(key)
+    except (TypeError, AttributeError):  # unhashable or not an array: validate the slow way
+        key, cached = None, None
+    if cached is not None:
+        return cached
+    result = _validate(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out)
+    if key is not None:
+        if len(_cache) >= _PLAN_CACHE_SIZE:
+            _cache.clear()
+        _cache[key] = result
+    return result
+
+
+def clear_cache() -> None:
+    """Forget every cached plan."""
+    _cache.clear()
+
+
+def _shape_key(value: Any) -> Any:
+    if isinstance(value, list):
+        return ("list", *value)
+    if value is None or isinstance(value, (int, tuple)):
+        return value
+    raise TypeError
+
+
+def _param_key(p: Any) -> Any:
+    if p is None:
+        return None
+    return type(p), arrays.inspector(type(p)).key(p)
+
+
+def _out_key(out: Any) -> Any:
+    if out is None:
+        return None
+    if isinstance(out, tuple):
+        return tuple(_out_key(o) for o in out)
+    key = arrays.inspector(type(out)).key(out)
+    writeable = getattr(getattr(out, "flags", None), "writeable", True)
+    return type(out), key, writeable
+
+
+# --------------------------------------------------------------------------------------------
+# The rules. Only reached on a cache miss.
+
+
+def _validate(
+    op: str,
+    x: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    axis: Any,
+    return_stats: Any,
+    out: Any,
+) -> Plan:
+    if op not in OPS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
+    xi = _array_info("x", x)
+    _check_float("x", xi)
+    if xi.ndim == 0:
+        raise ShapeError("x is 0-d (a scalar); layer_norm needs at least one axis to normalize over")
+    axes = _normalized_axes(xi.shape, normalized_shape, axis)
+    batch_axes = tuple(a for a in range(xi.ndim) if a not in axes)
+    norm_shape = tuple(xi.shape[a] for a in axes)
+    compute = stats_dtype_for(xi.dtype)
+    weight_dtype = _check_param("weight", weight, xi, norm_shape)
+    bias_dtype = _check_param("bias", bias, xi, norm_shape)
+    eps_value = _check_eps(eps)
+    if not isinstance(return_stats, bool):
+        raise ArgumentError(f"return_stats must be True or False, got {return_stats!r}")
+    permutation = batch_axes + axes
+    if permutation == tuple(range(xi.ndim)):
+        permutation_or_none = None
+    else:
+        permutation_or_none = permutation
+    stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
+    out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute)
+    out_strides = None
+    if out_y is not None:
+        out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
+    rows = math.prod(xi.shape[a] for a in batch_axes)
+    dispatch_key = (op, xi.family, xi.device_kind, xi.dtype, xi.requires_grad)
+    return Plan(
+        op=op,
+        family=xi.family,
+        device=xi.device,
+        device_kind=xi.device_kind,
+        dtype=xi.dtype,
+        shape=xi.shape,
+        axes=axes,
+        batch_axes=batch_axes,
+        normalized_shape=norm_shape,
+        rows=rows,
+        cols=math.prod(norm_shape),
+        compute_dtype=compute,
+        stats_dtype=compute,
+        weight_dtype=weight_dtype,
+        bias_dtype=bias_dtype,
+        eps=eps_value,
+        return_stats=return_stats,
+        requires_grad=xi.requires_grad,
+        permutation=permutation_or_none,
+        x_strides=row_view_strides(xi.shape, xi.strides, batch_axes, axes),
+        x_native=xi.native_byte_order,
+        has_out=out_y is not None,
+        out_strides=out_strides,
+        out_stats=out_stats,
+        dispatch_key=dispatch_key,
+    )
+
+
+def _array_info(name: str, value: Any) -> ArrayInfo:
+    if not arrays.is_array(value):
+        raise ArgumentError(
+            f"{name} must be an array (numpy.ndarray, torch.Tensor, cupy.ndarray, …), "
+            f"got {type(value).__name__}"
+        )
+    return arrays.info(value)
+
+
+def _check_float(name: str, info: ArrayInfo) -> None:
+    if info.masked:
+        raise DtypeError(
+            f"{name} is a numpy masked array; its mask would be ignored silently. "
+            f"Pass x.filled(...) or x.data explicitly"
+        )
+    if info.dtype not in FLOAT_DTYPES:
+        raise DtypeError(
+            f"{name} has dtype {info.dtype}; normlab normalizes floating-point arrays only "
+            f"({', '.join(FLOAT_DTYPES)})"
+        )
+
+
+def _as_int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    items = (value,) if not isinstance(value, Sequence) or isinstance(value, str) else value
+    try:
+        if any(isinstance(v, bool) for v in items):
+            raise TypeError
+        return tuple(operator.index(v) for v in items)
+    except TypeError:
+        raise ArgumentError(f"{name} must be an int or a tuple of ints, got {value!r}") from None
+
+
+def _normalized_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -> tuple[int, ...]:
+    ndim = len(shape)
+    from_shape: tuple[int, ...] | None = None
+    if normalized_shape is not None:
+        ns = _as_int_tuple("normalized_shape", normalized_shape)
+        if not ns:
+            raise ShapeError("normalized_shape=() names no axis; give at least one trailing dim")
+        if len(ns) > ndim or shape[ndim - len(ns) :] != ns:
+            raise ShapeError(
+                f"normalized_shape {ns} does not match the trailing dims of x with shape {shape}"
+            )
+        from_shape = tuple(range(ndim - len(ns), ndim))
+    if axis is None:
+        return from_shape if from_shape is not None else (ndim - 1,)
+    given = _as_int_tuple("axis", axis)
+    if not given:
+        raise ShapeError("axis=() names no axis; give at least one axis to normalize over")
+    for a in given:
+        if not -ndim <= a < ndim:
+            raise ShapeError(f"axis {a} is out of range for x with {ndim} dims (shape {shape})")
+    axes = tuple(sorted(a % ndim for a in given))
+    if len(set(axes)) != len(axes):
+        raise ShapeError(f"axis {given} names an axis twice (x has shape {shape})")
+    if from_shape is not None and axes != from_shape:
+        raise ShapeError(
+            f"axis {given} and normalized_shape {normalized_shape} disagree for x with shape "
+            f"{shape}: normalized_shape names axes {from_shape}"
+        )
+    return axes
+
+
+def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) -> str | None:
+    if p is None:
+        return None
+    pi = _array_info(name, p)
+    if pi.family != xi.family:
+        raise DeviceError(
+            f"{name} is a {pi.type_name} but x is a {xi.type_name}; pass {name} from the same "
+            f"array library as x (normlab never converts between libraries)"
+        )
+    if pi.device != xi.device:
+        raise DeviceError(f"{name} is on device {pi.device} but x is on {xi.device}")
+    allowed = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
+    if pi.masked or pi.dtype not in allowed:
+        kind = "a masked array" if pi.masked else f"dtype {pi.dtype}"
+        raise DtypeError(
+            f"{name} has {kind}; for x of dtype {xi.dtype} it must be "
+            f"{' or '.join(sorted(allowed))}"
+        )
+    if pi.shape != norm_shape:
+        raise ShapeError(
+            f"{name} has shape {pi.shape} but the normalized shape of x {xi.shape} is {norm_shape}"
+        )
+    return pi.dtype
+
+
+def _check_eps(eps: Any) -> float:
+    if isinstance(eps, bool):
+        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
+    return value
+
+
+def _check_out(
+    out: Any,
+    xi: ArrayInfo,
+    return_stats: bool,
+    stats_shape: tuple[int, ...],
+    stats_dtype: str,
+) -> tuple[ArrayInfo | None, tuple[bool, bool]]:
+    if out is None:
+        return None, (False, False)
+    if isinstance(out, tuple):
+        if not return_stats or len(out) != 3:
+            raise ArgumentError(
+                "out may be a tuple only with return_stats=True, as (y, mean, rstd) with None "
+                f"for entries to allocate; got a tuple of {len(out)}"
+            )
+        y_out, mean_out, rstd_out = out
+    else:
+        y_out, mean_out, rstd_out = out, None, None
+    if xi.requires_grad:
+        raise ArgumentError("out= cannot be used when x requires grad (the result would be detached)")
+    yi = None
+    if y_out is not None:
+        yi = _check_out_array("out", y_out, xi, xi.shape, xi.dtype)
+    for name, o in (("out[1] (mean)", mean_out), ("out[2] (rstd)", rstd_out)):
+        if o is not None:
+            _check_out_array(name, o, xi, stats_shape, stats_dtype)
+    return yi, (mean_out is not None, rstd_out is not None)
+
+
+def _check_out_array(
+    name: str, o: Any, xi: ArrayInfo, shape: tuple[int, ...], dtype: str
+) -> ArrayInfo:
+    oi = _array_info(name, o)
+    if oi.family != xi.family:
+        raise DeviceError(f"{name} is a {oi.type_name} but x is a {xi.type_name}")
+    if oi.device != xi.device:
+        raise DeviceError(f"{name} is on device {oi.device} but x is on {xi.device}")
+    if oi.masked or oi.dtype != dtype:
+        raise DtypeError(f"{name} has dtype {oi.dtype}; it must be {dtype}")
+    if oi.shape != shape:
+        raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
+    if not oi.writeable:
+        raise ArgumentError(f"{name} is read-only")
+    if oi.strides is not None and any(s == 0 and n > 1 for s, n in zip(oi.strides, oi.shape)):
+        raise ArgumentError(f"{name} has a zero stride (a broadcast view); its elements overlap")
+    if oi.requires_grad:
+        raise ArgumentError(f"{name} requires grad; normlab cannot write into it in place")
+    return oi
