@@ -1,0 +1,43 @@
+"""normlab: one correct, fast LayerNorm call for NumPy, PyTorch and CuPy arrays.
+
+``normlab.layer_norm(x)`` picks a backend by the array's type and device and returns the same
+kind of array. Backends are pluggy plugins; see :func:`list_backends` and :func:`explain`.
+"""
+
+from __future__ import annotations
+
+from normlab.api import explain, layer_norm
+from normlab.dispatch import use_backend
+from normlab.errors import (
+    ArgumentError,
+    BackendError,
+    DeviceError,
+    DtypeError,
+    NormlabError,
+    NormlabWarning,
+    ShapeError,
+)
+from normlab.hookspecs import BackendRecord, hookimpl
+from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "BackendError",
+    "BackendRecord",
+    "DeviceError",
+    "DtypeError",
+    "NormlabError",
+    "NormlabWarning",
+    "ShapeError",
+    "__version__",
+    "explain",
+    "hookimpl",
+    "layer_norm",
+    "list_backends",
+    "plugin_failures",
+    "register_plugin",
+    "unregister_plugin",
+    "use_backend",
+]

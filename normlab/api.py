@@ -1,0 +1,111 @@
+"""The public functions. Each is thin: validate (spec) → choose (dispatch) → run (layout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from normlab import dispatch, layout, registry, spec
+from normlab.errors import NormlabError
+
+__all__ = ["explain", "layer_norm"]
+
+
+def layer_norm(
+    x: Any,
+    normalized_shape: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    return_stats: bool = False,
+    out: Any = None,
+) -> Any:
+    """Layer normalization: ``y = (x - mean) / sqrt(var + eps) * weight + bias``.
+
+    Statistics are per row: the mean and the population variance over the normalized axes only
+    (never across batch or sequence positions). The normalized axes are ``normalized_shape``
+    (PyTorch: the trailing dims, an int or a tuple) or ``axis`` (Keras: exactly these axes, an
+    int or a tuple); given neither, the last axis. ``weight`` and ``bias`` are optional, each of
+    the normalized shape, in x's dtype (or float32 when x is float16/bfloat16).
+
+    Args:
+        x: a NumPy, PyTorch or CuPy array (or any family a plugin serves) of a float dtype.
+        normalized_shape: the trailing dims to normalize over.
+        weight: the per-feature scale, or None.
+        bias: the per-feature shift, or None.
+        eps: added to the variance inside the square root; finite and >= 0.
+        axis: the axes to normalize over (any axes; must agree with normalized_shape if both).
+        backend: a backend name; strict: an error if it cannot serve ``x``.
+        return_stats: also return ``mean`` and ``rstd = 1/sqrt(var + eps)``, keepdims-shaped,
+            in float32 (float64 for float64 x).
+        out: an array like ``x`` to write the result into (may be ``x`` itself); with
+            ``return_stats``, a tuple ``(y, mean, rstd)`` whose entries may be None.
+
+    Returns:
+        ``y`` — same array type, device, shape and dtype as ``x`` — or ``(y, mean, rstd)``.
+        ``x`` is never modified (unless it is ``out``).
+
+    Raises:
+        NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
+            ArgumentError, BackendError).
+    """
+    plan = spec.plan("layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out)
+    choice = dispatch.choose(plan, backend)
+    return layout.run(plan, choice, x, weight, bias, out)
+
+
+def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
+    """Say which backend a call would use and why, without running it.
+
+    Takes the same arguments as the op (``explain(x, weight=w, backend="numba")``). The text
+    lists every registered backend with the reason it was or was not chosen, the preference in
+    force, and whether the call copies ``x``.
+    """
+    names = ("normalized_shape", "weight", "bias", "eps")
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    named = call.pop("backend", None)
+    lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
+    plan = spec.plan(
+        op,
+        x,
+        call.get("normalized_shape"),
+        call.get("weight"),
+        call.get("bias"),
+        call.get("eps", 1e-5),
+        call.get("axis"),
+        call.get("return_stats", False),
+        call.get("out"),
+    )
+    lines.append(
+        f"  x: {plan.dtype} {plan.shape} on {plan.device}"
+        f"{', requires grad' if plan.requires_grad else ''}; normalized axes {plan.axes} "
+        f"-> {plan.rows} rows x {plan.cols} cols"
+    )
+    preference = dispatch.current_preference()
+    lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
+    try:
+        choice = dispatch.choose(plan, named)
+    except NormlabError as exc:
+        lines.append(f"  no choice: {exc}")
+        return "\n".join(lines)
+    lines.append(f"  chosen: {choice.backend.name} ({choice.how})")
+    lines.append("  candidates:")
+    if named is None:
+        lines.extend(f"    {note}" for note in choice.notes)
+    else:
+        for b in registry.list_backends():
+            why = dispatch.refusal(b, plan, named=b.name == named)
+            state = "able to serve" if why is None else why
+            lines.append(f"    {b.name} (priority {b.priority}): {state}")
+    if plan.empty:
+        lines.append("  empty input: no kernel is launched")
+    else:
+        r = layout.route(plan, choice)
+        lines.append(f"  layout: {'copy of x — ' + r.copy_x if r.copy_x else 'no copy of x'}")
+        if plan.has_out:
+            how = "directly" if r.out_direct else "through one temporary"
+            lines.append(f"  out: written {how}")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""Choice: which backend serves this call.
+
+Order of precedence:
+
+1. ``backend=`` names a backend: it must serve the array, else :class:`BackendError` (strict);
+2. ``use_backend(name)`` (a :class:`~contextvars.ContextVar`, thread- and async-safe) or the
+   ``NORMLAB_BACKEND`` environment variable: a preference, used when that backend can serve;
+3. otherwise the highest-priority available backend that serves the op, the array family, the
+   device kind, the dtype and (for arrays that require grad) autograd.
+
+A backend may serve a family from its ``explicit_families`` (zero-copy service of another
+library's arrays) only when named by ``backend=`` or ``use_backend``. There are no implicit device
+moves and no conversions between array libraries. Choices are cached per (op, family, device
+kind, dtype, requires-grad, named backend, preference); the ``normlab.dispatch`` logger says at
+DEBUG what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, Final
+
+from normlab import registry
+from normlab.errors import BackendError, NormlabWarning
+from normlab.registry import Backend
+from normlab.spec import Plan
+
+__all__ = ["Choice", "choose", "clear_caches", "current_preference", "refusal", "use_backend"]
+
+logger: Final = logging.getLogger("normlab.dispatch")
+
+_preference: ContextVar[str | None] = ContextVar("normlab_backend_preference", default=None)
+_UNREAD: Final = object()
+_env_preference: Any = _UNREAD
+_choices: dict[tuple[Any, ...], Choice] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The backend chosen for a call, and one line per candidate saying why it won or lost."""
+
+    backend: Backend
+    how: str
+    notes: tuple[str, ...]
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Prefer backend ``name`` inside this block (falls back when it cannot serve an array)."""
+    registry.get(name)
+    token = _preference.set(name)
+    try:
+        yield
+    finally:
+        _preference.reset(token)
+
+
+def current_preference() -> str | None:
+    """The preferred backend name: ``use_backend`` first, then ``NORMLAB_BACKEND``."""
+    return _preference.get() or _environment_preference()
+
+
+def _environment_preference() -> str | None:
+    global _env_preference
+    if _env_preference is _UNREAD:
+        name = os.environ.get("NORMLAB_BACKEND") or None
+        if name is not None and name not in registry.registry().backends:
+            warnings.warn(
+                f"NORMLAB_BACKEND={name!r} names no registered backend "
+                f"({', '.join(sorted(registry.registry().backends))}); ignoring it",
+                NormlabWarning,
+                stacklevel=4,
+            )
+            name = None
+        _env_preference = name
+    return _env_preference  # type: ignore[no-any-return]
+
+
+def clear_caches() -> None:
+    """Forget cached choices and re-read ``NORMLAB_BACKEND`` on the next call."""
+    global _env_preference
+    _choices.clear()
+    _env_preference = _UNREAD
+
+
+def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
+    """Why ``backend`` cannot serve ``plan`` (``None`` when it can). ``named``: the caller named it."""
+    if plan.op not in backend.ops:
+        return f"does not provide {plan.op}"
+    families = backend.families | (backend.explicit_families if named else frozenset())
+    if plan.family not in families:
+        served = ", ".join(sorted(backend.families))
+        extra = ""
+        if plan.family in backend.explicit_families:
+            extra = f"; it serves {plan.family} arrays only when named with backend={backend.name!r}"
+        return f"serves {served} arrays, not {plan.family}{extra}"
+    if plan.device_kind not in backend.devices:
+        return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"
+    if plan.dtype not in backend.dtypes:
+        return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
+    if plan.requires_grad and "autograd" not in backend.capabilities:
+        return "does not support autograd and x requires grad (normlab never detaches silently)"
+    if not backend.available:
+        return f"unavailable: {backend.reason}"
+    return None
+
+
+def choose(plan: Plan, named: str | None = None) -> Choice:
+    """The backend for ``plan``: ``named`` strictly, else preference, else priority."""
+    preference = _preference.get() or _environment_preference()
+    key = (plan.dispatch_key, named, preference, registry.registry().generation)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = _decide(plan, named, preference)
+        _choices[key] = choice
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: %s", plan.dispatch_key, "; ".join(choice.notes))
+    return choice
+
+
+def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
+    if named is not None:
+        backend = registry.get(named)
+        why = refusal(backend, plan, named=True)
+        if why is not None:
+            raise BackendError(
+                f"backend {named!r} cannot serve this {plan.family} array ({plan.dtype} on "
+                f"{plan.device}): it {why}"
+            )
+        return Choice(backend, "named with backend=", (f"{named}: named with backend=",))
+    notes: list[str] = []
+    if preference is not None:
+        backend = registry.get(preference)
+        why = refusal(backend, plan, named=True)
+        if why is None:
+            return Choice(backend, "preferred (use_backend / NORMLAB_BACKEND)",
+                          (f"{preference}: preferred and able to serve",))
+        notes.append(f"{preference}: preferred but it {why}; falling back to priority")
+    chosen: Backend | None = None
+    for backend in registry.list_backends():
+        why = refusal(backend, plan, named=False)
+        if why is not None:
+            notes.append(f"{backend.name} (priority {backend.priority}): {why}")
+        elif chosen is None:
+            chosen = backend
+            notes.append(f"{backend.name} (priority {backend.priority}): chosen, highest priority "
+                         "able to serve")
+        else:
+            notes.append(f"{backend.name} (priority {backend.priority}): able to serve, lower "
+                         "priority")
+    if chosen is None:
+        raise BackendError(
+            f"no backend can serve a {plan.family} array of {plan.dtype} on {plan.device} for "
+            f"{plan.op}: " + "; ".join(notes)
+        )
+    return Choice(chosen, "highest priority", tuple(notes))

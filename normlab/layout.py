@@ -1,0 +1,227 @@
+"""Memory layout: from the caller's array to the 2-D rows a backend reads, and back.
+
+A backend sees ``x`` as a 2-D ``(rows, cols)`` array: batch axes first, normalized axes last.
+That view is made without a copy whenever the batch axes collapse into one stride and the
+normalized axes into another, and the backend reads such strides (its ``strided`` or
+``row_strided`` capability). Otherwise — and only then — ``x`` is copied to C order, and
+:func:`normlab.explain` says so. ``out`` is written in place: directly when the backend writes
+``out`` views of its layout, else through one temporary. The result is restored to ``x``'s shape.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from normlab import arrays
+from normlab.dispatch import Choice
+from normlab.errors import ArgumentError
+from normlab.spec import Plan
+
+__all__ = ["Route", "route", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How one backend runs one plan: which copies happen and how ``out`` is written."""
+
+    function: Any
+    copy_x: str | None
+    out_direct: bool
+    inplace_ok: bool
+    inverse: tuple[int, ...] | None
+    permuted_shape: tuple[int, ...]
+    stats_permuted_shape: tuple[int, ...]
+
+
+def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: Plan) -> bool:
+    if strides is None:
+        return False
+    row, col = strides
+    if "strided" in capabilities:
+        return True
+    unit_cols = col == 1 or plan.cols == 1
+    if "row_strided" in capabilities:
+        return unit_cols
+    return unit_cols and (row == plan.cols or plan.rows == 1)
+
+
+def route(plan: Plan, choice: Choice) -> Route:
+    """The :class:`Route` of ``plan`` on the chosen backend (cached on the plan)."""
+    backend = choice.backend
+    cached = plan.routes.get(backend.name)
+    if cached is not None and cached.function is not None:
+        return cached  # type: ignore[no-any-return]
+    caps = backend.capabilities
+    copy_x = None
+    if plan.family in ("numpy", "cupy", "torch"):
+        if not plan.x_native:
+            copy_x = "x has non-native byte order"
+        elif plan.x_strides is None:
+            copy_x = "x's batch or normalized axes cannot be viewed as 2-D rows without a copy"
+        elif not _reads(caps, plan.x_strides, plan):
+            copy_x = f"backend {backend.name!r} reads only C-contiguous rows"
+    order = plan.permutation
+    inverse = None if order is None else tuple(order.index(a) for a in range(len(order)))
+    permuted = plan.shape if order is None else tuple(plan.shape[a] for a in order)
+    result = Route(
+        function=backend.function(plan.op),
+        copy_x=copy_x,
+        out_direct=plan.has_out and "out" in caps and _reads(caps, plan.out_strides, plan),
+        inplace_ok="inplace" in caps,
+        inverse=inverse,
+        permuted_shape=permuted,
+        stats_permuted_shape=tuple(plan.shape[a] for a in plan.batch_axes) + (1,) * len(plan.axes),
+    )
+    plan.routes[backend.name] = result
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Family-generic array operations (the caller's library is already imported when these run).
+
+
+def _permute(a: Any, family: str, order: tuple[int, ...]) -> Any:
+    if family == "torch":
+        return a.permute(order)
+    if family in ("numpy", "cupy"):
+        return a.transpose(order)
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a).permute_dims(a, order)
+
+
+def _contiguous(a: Any, family: str) -> Any:
+    if family == "torch":
+        return a.contiguous()
+    if family == "numpy":
+        np = sys.modules["numpy"]
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+        return np.ascontiguousarray(a)
+    if family == "cupy":
+        return sys.modules["cupy"].ascontiguousarray(a)
+    return a
+
+
+def _copy_into(dst: Any, src: Any, family: str) -> None:
+    if family == "torch":
+        dst.copy_(src)
+    elif family == "numpy":
+        sys.modules["numpy"].copyto(dst, src)
+    elif family == "cupy":
+        sys.modules["cupy"].copyto(dst, src)
+    else:
+        dst[...] = src
+
+
+def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
+    if plan.permutation is not None:
+        a = _permute(a, plan.family, plan.permutation)
+    if copy:
+        a = _contiguous(a, plan.family)
+    return a.reshape(plan.rows, plan.cols)
+
+
+def _from_rows(a: Any, plan: Plan, r: Route, shape: tuple[int, ...]) -> Any:
+    a = a.reshape(shape)
+    if r.inverse is not None:
+        a = _permute(a, plan.family, r.inverse)
+    return a
+
+
+def _flat(p: Any, plan: Plan) -> Any:
+    if p is None or len(plan.normalized_shape) == 1:
+        return p
+    return _contiguous(p, plan.family).reshape(plan.cols)
+
+
+def _same_memory(x: Any, out: Any, plan: Plan) -> bool:
+    """True when ``out`` is exactly ``x``'s memory; ArgumentError on a partial overlap."""
+    inspector = arrays.inspector(type(x))
+    start_x, start_o = inspector.address(x), arrays.inspector(type(out)).address(out)
+    if start_x is None or start_o is None:
+        return out is x
+    xi, oi = inspector.info(x), arrays.inspector(type(out)).info(out)
+    if start_x == start_o and xi.strides == oi.strides:
+        return True
+    if _extent(start_x, xi) and _overlaps(_extent(start_x, xi), _extent(start_o, oi)):
+        if plan.family == "numpy" and not sys.modules["numpy"].shares_memory(x, out):
+            return False
+        raise ArgumentError(
+            "out partially overlaps x; pass out=x for an in-place call or a separate array"
+        )
+    return False
+
+
+def _extent(start: int, info: arrays.ArrayInfo) -> tuple[int, int]:
+    if info.strides is None:
+        return (start, start)
+    low = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s < 0 and n > 0)
+    high = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s > 0 and n > 0)
+    return (start + low * info.itemsize, start + (high + 1) * info.itemsize)
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
+    """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
+    if isinstance(out, tuple):
+        out_y, out_mean, out_rstd = out
+    else:
+        out_y, out_mean, out_rstd = out, None, None
+    if plan.empty:
+        y, mean, rstd = _empty_result(plan, x, out_y)
+    else:
+        r = route(plan, choice)
+        x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
+        backend_out = None
+        if out_y is not None and r.out_direct:
+            same = r.copy_x is None and _same_memory(x, out_y, plan)
+            if not same or r.inplace_ok:
+                backend_out = _to_rows(out_y, plan, r, copy=False)
+        elif out_y is not None:
+            _same_memory(x, out_y, plan)
+        y2, mean1, rstd1 = r.function(
+            x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
+        )
+        if out_y is not None and backend_out is None:
+            _copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape), plan.family)
+            y = out_y
+        elif out_y is not None:
+            y = out_y
+        else:
+            y = _from_rows(y2, plan, r, r.permuted_shape)
+        if not plan.return_stats:
+            return y
+        mean = _from_rows(mean1, plan, r, r.stats_permuted_shape)
+        rstd = _from_rows(rstd1, plan, r, r.stats_permuted_shape)
+    if not plan.return_stats:
+        return y
+    if out_mean is not None:
+        _copy_into(out_mean, mean, plan.family)
+        mean = out_mean
+    if out_rstd is not None:
+        _copy_into(out_rstd, rstd, plan.family)
+        rstd = out_rstd
+    return y, mean, rstd
+
+
+def _empty_result(plan: Plan, x: Any, out_y: Any) -> tuple[Any, Any, Any]:
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(x)
+    y = out_y if out_y is not None else xp.empty_like(x)
+    if not plan.return_stats:
+        return y, None, None
+    dtype = getattr(xp, plan.stats_dtype)
+    device = array_api_compat.device(x)
+    mean = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
+    rstd = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
+    return y, mean, rstd

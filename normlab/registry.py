@@ -1,0 +1,335 @@
+"""The plugin registry: pluggy, built-in backends, entry points, ``NORMLAB_PLUGINS``.
+
+The registry is built on first use (never at ``import normlab``). Sources, in order:
+
+1. the built-in backends (:mod:`normlab.backends`), through the same hook a plugin implements;
+2. modules named in ``NORMLAB_PLUGINS`` (comma-separated import paths);
+3. the ``normlab`` entry-point group, unless ``NORMLAB_DISABLE_PLUGIN_AUTOLOAD=1``.
+
+A plugin that fails to import, raises in its hook or returns malformed records is recorded as a
+:class:`PluginFailure` (shown by ``normlab info``), reported once as a :class:`NormlabWarning`
+and skipped. A backend name already taken is refused with an error naming both sources.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Final
+
+import pluggy
+
+from normlab import hookspecs
+from normlab.errors import BackendError, NormlabWarning
+from normlab.hookspecs import CAPABILITIES, BackendRecord
+
+__all__ = [
+    "Backend",
+    "PluginFailure",
+    "get",
+    "list_backends",
+    "plugin_failures",
+    "register_plugin",
+    "unregister_plugin",
+]
+
+BUILTIN: Final = "built-in"
+ENTRY_POINT_GROUP: Final = "normlab"
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFailure:
+    """A plugin that could not be used: where it came from and what went wrong."""
+
+    plugin: str
+    source: str
+    error: str
+
+
+class Backend:
+    """A registered backend: its record, where it came from, and its lazily loaded code."""
+
+    def __init__(self, record: BackendRecord, provided_by: str) -> None:
+        self.record = record
+        self.provided_by = provided_by
+        self._reason: str | None = None
+        self._checked = False
+        self._module: ModuleType | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "available" if self.available else f"unavailable: {self.reason}"
+        return f"<Backend {self.name!r} ({state}) from {self.provided_by}>"
+
+    name = property(lambda self: self.record.name)
+    families = property(lambda self: self.record.families)
+    explicit_families = property(lambda self: self.record.explicit_families)
+    devices = property(lambda self: self.record.devices)
+    dtypes = property(lambda self: self.record.dtypes)
+    ops = property(lambda self: self.record.ops)
+    capabilities = property(lambda self: self.record.capabilities)
+    priority = property(lambda self: self.record.priority)
+    description = property(lambda self: self.record.description)
+
+    @property
+    def available(self) -> bool:
+        """Whether this backend can run here (checked once, lazily)."""
+        return self.reason is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why this backend cannot run here, or ``None`` when it can."""
+        if not self._checked:
+            with self._lock:
+                if not self._checked:
+                    self._reason = self._run_check()
+                    self._checked = True
+        return self._reason
+
+    @property
+    def version(self) -> str | None:
+        """The installed version of the backend's library, if it names one and it is installed."""
+        if self.record.library is None:
+            return None
+        try:
+            return importlib.metadata.version(self.record.library)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def _run_check(self) -> str | None:
+        if self.record.check is None:
+            return None
+        try:
+            return self.record.check()
+        except Exception as exc:  # a broken check makes the backend unavailable, not normlab
+            return f"availability check raised {type(exc).__name__}: {exc}"
+
+    @property
+    def module(self) -> ModuleType:
+        """The backend's module, imported on first use."""
+        if self._module is None:
+            try:
+                self._module = importlib.import_module(self.record.module)
+            except Exception as exc:
+                raise BackendError(
+                    f"backend {self.name!r} (from {self.provided_by}) failed to load its module "
+                    f"{self.record.module!r}: {type(exc).__name__}: {exc}"
+                ) from exc
+        return self._module
+
+    def function(self, op: str) -> Callable[..., Any]:
+        """The backend's implementation of ``op``."""
+        fn = getattr(self.module, op, None)
+        if fn is None:
+            raise BackendError(
+                f"backend {self.name!r} declares op {op!r} but {self.record.module} defines no "
+                f"function {op!r}"
+            )
+        return fn  # type: ignore[no-any-return]
+
+    def to_numpy(self, a: Any) -> Any:
+        """Convert an array of this backend's family to NumPy (used by the conformance suite)."""
+        return self.module.to_numpy(a)
+
+    def from_numpy(self, a: Any, like: Any = None) -> Any:
+        """Convert a NumPy array to this backend's family (on ``like``'s device when given)."""
+        return self.module.from_numpy(a, like=like)
+
+
+class Registry:
+    """All backends known to this process, and the plugins that failed."""
+
+    def __init__(self) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        self.backends: dict[str, Backend] = {}
+        self.failures: list[PluginFailure] = []
+        self.generation = 0
+
+    def load_defaults(self) -> None:
+        from normlab import backends as builtin
+
+        self.register(builtin, source=BUILTIN, name="normlab.backends")
+        for module_name in _env_list("NORMLAB_PLUGINS"):
+            self._register_safely(lambda m=module_name: importlib.import_module(m), module_name,
+                                  f"NORMLAB_PLUGINS ({module_name})")
+        if os.environ.get("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
+            return
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist
+            source = f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+            self._register_safely(ep.load, ep.name, source)
+
+    def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
+        try:
+            plugin = load()
+        except Exception as exc:
+            self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
+            return
+        try:
+            self.register(plugin, source=source, name=name)
+        except BackendError as exc:
+            self._fail(name, source, str(exc))
+
+    def _fail(self, plugin: str, source: str, error: str) -> None:
+        self.failures.append(PluginFailure(plugin, source, error))
+        warnings.warn(
+            f"normlab plugin {plugin!r} ({source}) skipped: {error}", NormlabWarning, stacklevel=3
+        )
+
+    def register(self, plugin: Any, *, source: str, name: str | None = None) -> list[Backend]:
+        """Register ``plugin`` and its backends; all-or-nothing, BackendError on any problem."""
+        plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        if self.manager.is_registered(plugin) or self.manager.has_plugin(plugin_name):
+            raise BackendError(f"plugin {plugin_name!r} is already registered")
+        self.manager.register(plugin, name=plugin_name)
+        try:
+            records = self._records_of(plugin, plugin_name)
+            new = self._admit(records, plugin_name, source)
+        except BackendError:
+            self.manager.unregister(plugin)
+            raise
+        for backend in new:
+            self.backends[backend.name] = backend
+        self.generation += 1
+        return new
+
+    def _records_of(self, plugin: Any, plugin_name: str) -> list[Any]:
+        records: list[Any] = []
+        for impl in self.manager.hook.normlab_backends.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            try:
+                result = impl.function()
+            except Exception as exc:
+                raise BackendError(
+                    f"plugin {plugin_name!r}: normlab_backends() raised "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(result, Iterable):
+                raise BackendError(
+                    f"plugin {plugin_name!r}: normlab_backends() must return a list of "
+                    f"BackendRecord, got {type(result).__name__}"
+                )
+            records.extend(result)
+        if not records:
+            raise BackendError(f"plugin {plugin_name!r} provides no normlab_backends() records")
+        return records
+
+    def _admit(self, records: list[Any], plugin_name: str, source: str) -> list[Backend]:
+        new: list[Backend] = []
+        for record in records:
+            _check_record(record, plugin_name)
+            taken = self.backends.get(record.name) or next(
+                (b for b in new if b.name == record.name), None
+            )
+            if taken is not None:
+                raise BackendError(
+                    f"backend name {record.name!r} from plugin {plugin_name!r} ({source}) is "
+                    f"already provided by {taken.provided_by}; names must be unique"
+                )
+            new.append(Backend(record, provided_by=source))
+        return new
+
+    def unregister(self, plugin: Any) -> None:
+        """Remove ``plugin`` (the object, or its name) and its backends."""
+        obj = self.manager.get_plugin(plugin) if isinstance(plugin, str) else plugin
+        if obj is None or not self.manager.is_registered(obj):
+            raise BackendError(f"plugin {plugin!r} is not registered")
+        name = self.manager.get_name(obj)
+        if name == "normlab.backends":
+            raise BackendError("the built-in backends cannot be unregistered")
+        names = {r.name for r in self._records_of(obj, str(name))}
+        self.manager.unregister(obj)
+        for backend_name in names:
+            self.backends.pop(backend_name, None)
+        self.generation += 1
+
+
+def _check_record(record: Any, plugin_name: str) -> None:
+    if not isinstance(record, BackendRecord):
+        raise BackendError(
+            f"plugin {plugin_name!r} returned {type(record).__name__}, not a BackendRecord"
+        )
+    problems = []
+    if not isinstance(record.name, str) or not record.name.isidentifier():
+        problems.append(f"name {record.name!r} is not an identifier")
+    for field_name in ("families", "devices", "dtypes", "ops", "capabilities", "explicit_families"):
+        value = getattr(record, field_name)
+        if not isinstance(value, (set, frozenset)) or not all(isinstance(v, str) for v in value):
+            problems.append(f"{field_name} must be a frozenset of str, got {value!r}")
+    if isinstance(record.capabilities, (set, frozenset)) and record.capabilities - CAPABILITIES:
+        problems.append(f"unknown capabilities {sorted(record.capabilities - CAPABILITIES)}")
+    if not isinstance(record.priority, int):
+        problems.append(f"priority must be an int, got {record.priority!r}")
+    if not isinstance(record.module, str) or not record.module:
+        problems.append(f"module must be an import path, got {record.module!r}")
+    if problems:
+        raise BackendError(
+            f"plugin {plugin_name!r}: malformed record {getattr(record, 'name', '?')!r}: "
+            + "; ".join(problems)
+        )
+
+
+def _env_list(name: str) -> list[str]:
+    return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
+
+
+_registry: Registry | None = None
+_registry_lock = threading.Lock()
+
+
+def registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    if _registry is None:
+        with _registry_lock:
+            if _registry is None:
+                fresh = Registry()
+                fresh.load_defaults()
+                _registry = fresh
+    return _registry
+
+
+def list_backends() -> list[Backend]:
+    """Every registered backend, highest priority first (availability is checked lazily)."""
+    return sorted(registry().backends.values(), key=lambda b: (-b.priority, b.name))
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``, or a BackendError listing the registered names."""
+    backends = registry().backends
+    try:
+        return backends[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(backends)) or "none"
+        raise BackendError(f"unknown backend {name!r}; registered backends: {known}") from None
+
+
+def plugin_failures() -> list[PluginFailure]:
+    """Plugins that were skipped, with the reason."""
+    return list(registry().failures)
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> list[Backend]:
+    """Register a plugin object or module at run time; returns its backends.
+
+    Raises BackendError if it is malformed or a backend name is taken (nothing is registered).
+    """
+    return registry().register(plugin, source=f"register_plugin({name or _name_of(plugin)})",
+                               name=name)
+
+
+def unregister_plugin(plugin: Any) -> None:
+    """Remove a plugin registered with :func:`register_plugin` (object or name)."""
+    registry().unregister(plugin)
+
+
+def _name_of(plugin: Any) -> str:
+    return str(getattr(plugin, "__name__", None) or type(plugin).__name__)
