@@ -27,6 +27,7 @@ class Route:
     """How one backend runs one plan: which copies happen and how ``out`` is written."""
 
     function: Any
+    direct: bool
     copy_x: str | None
     out_direct: bool
     inplace_ok: bool
@@ -67,6 +68,14 @@ def route(plan: Plan, choice: Choice) -> Route:
     permuted = plan.shape if order is None else tuple(plan.shape[a] for a in order)
     result = Route(
         function=backend.function(plan.op),
+        direct=(
+            copy_x is None
+            and len(plan.shape) == 2
+            and order is None
+            and not plan.has_out
+            and not plan.return_stats
+            and not plan.empty
+        ),
         copy_x=copy_x,
         out_direct=plan.has_out and "out" in caps and _reads(caps, plan.out_strides, plan),
         inplace_ok="inplace" in caps,
@@ -172,6 +181,9 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
     """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
+    r = plan.routes.get(choice.backend.name)
+    if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
+        return r.function(x, weight, bias, plan=plan, out=None)[0]
     if isinstance(out, tuple):
         out_y, out_mean, out_rstd = out
     else:
@@ -179,7 +191,7 @@ def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) ->
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, out_y)
     else:
-        r = route(plan, choice)
+        r = r or route(plan, choice)
         x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
         backend_out = None
         if out_y is not None and r.out_direct:

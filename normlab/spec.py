@@ -123,6 +123,7 @@ def _collapsed_stride(dims: list[tuple[int, int]], default: int) -> int | None:
 
 
 _cache: dict[tuple[Any, ...], Plan] = {}
+_inspectors: dict[type, arrays.Inspector] = {}
 
 
 def plan(
@@ -139,17 +140,20 @@ def plan(
     """Validate a call and return its :class:`Plan` (cached by the arguments' metadata)."""
     key: tuple[Any, ...] | None
     try:
+        array_type = type(x)
         key = (
             op,
-            type(x),
-            arrays.inspector(type(x)).key(x),
-            _shape_key(normalized_shape),
-            _shape_key(axis),
-            _param_key(weight),
-            _param_key(bias),
+            array_type,
+            (_inspectors.get(array_type) or arrays.inspector(array_type)).key(x),
+            normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
+            axis if axis is None else _dims_key(axis),
+            None if weight is None else _param_key(weight),
+            None if bias is None else _param_key(bias),
             eps,
+            type(eps),
             return_stats,
-            _out_key(out),
+            type(return_stats),
+            None if out is None else _out_key(out),
         )
         cached = _cache.get(key)
     except (TypeError, AttributeError):  # unhashable or not an array: validate the slow way
@@ -161,6 +165,7 @@ def plan(
         if len(_cache) >= _PLAN_CACHE_SIZE:
             _cache.clear()
         _cache[key] = result
+        _inspectors[type(x)] = arrays.inspector(type(x))
     return result
 
 
@@ -169,17 +174,16 @@ def clear_cache() -> None:
     _cache.clear()
 
 
-def _shape_key(value: Any) -> Any:
-    if isinstance(value, list):
-        return ("list", *value)
-    if value is None or isinstance(value, (int, tuple)):
+def _dims_key(value: Any) -> Any:
+    """Dims with their element types: (4.0,) == (4,) in Python, but only one is valid."""
+    if type(value) is int:
         return value
-    raise TypeError
+    if isinstance(value, (tuple, list)):
+        return (type(value), *((type(v), v) for v in value))
+    return type(value), value
 
 
 def _param_key(p: Any) -> Any:
-    if p is None:
-        return None
     return type(p), arrays.inspector(type(p)).key(p)
 
 
