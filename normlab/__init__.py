@@ -1,4 +1,4 @@
-"""normlab: one correct, fast LayerNorm call for NumPy, PyTorch and CuPy arrays.
+"""normlab: one correct, fast LayerNorm (and RMSNorm) call for NumPy, PyTorch and CuPy arrays.
 
 ``normlab.layer_norm(x)`` picks a backend by the array's type and device and returns the same
 kind of array. Backends are pluggy plugins; see :func:`list_backends` and :func:`explain`.
@@ -6,7 +6,7 @@ kind of array. Backends are pluggy plugins; see :func:`list_backends` and :func:
 
 from __future__ import annotations
 
-from normlab.api import explain, layer_norm
+from normlab.api import explain, layer_norm, rms_norm
 from normlab.dispatch import use_backend
 from normlab.errors import (
     ArgumentError,
@@ -38,6 +38,7 @@ __all__ = [
     "list_backends",
     "plugin_failures",
     "register_plugin",
+    "rms_norm",
     "unregister_plugin",
     "use_backend",
 ]

@@ -7,7 +7,7 @@ from typing import Any
 from normlab import dispatch, layout, registry, spec
 from normlab.errors import NormlabError
 
-__all__ = ["explain", "layer_norm"]
+__all__ = ["explain", "layer_norm", "rms_norm"]
 
 
 def layer_norm(
@@ -56,6 +56,37 @@ def layer_norm(
     return layout.run(plan, choice, x, weight, bias, out)
 
 
+def rms_norm(
+    x: Any,
+    normalized_shape: Any = None,
+    weight: Any = None,
+    eps: float | None = None,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    return_stats: bool = False,
+    out: Any = None,
+) -> Any:
+    """RMS normalization: ``y = x / sqrt(mean(x^2) + eps) * weight``.
+
+    No mean is subtracted and there is no bias. The statistic is per row over the normalized
+    axes, exactly as for :func:`layer_norm` (``normalized_shape``/``axis``, default the last
+    axis); ``eps=None`` means ``finfo(x.dtype).eps``, as ``torch.nn.functional.rms_norm``.
+    float16/bfloat16 accumulate in float32, so the sum of squares cannot overflow.
+
+    Returns:
+        ``y`` (same array type, device, shape and dtype as ``x``), or ``(y, rstd)`` with
+        ``return_stats=True``: ``rstd = 1/sqrt(mean(x^2) + eps)`` keepdims-shaped, float32
+        (float64 for float64 x). ``out`` may be an array, or ``(y, rstd)`` with return_stats.
+
+    Raises:
+        NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
+    """
+    plan = spec.plan("rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out)
+    choice = dispatch.choose(plan, backend)
+    return layout.run(plan, choice, x, weight, None, out)
+
+
 def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     """Say which backend a call would use and why, without running it.
 
@@ -63,10 +94,13 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     lists every registered backend with the reason it was or was not chosen, the preference in
     force, and whether the call copies ``x``.
     """
-    names = ("normalized_shape", "weight", "bias", "eps")
+    names = ("normalized_shape", "weight", "eps") if op == "rms_norm" else (
+        "normalized_shape", "weight", "bias", "eps"
+    )
     call = dict(zip(names, args))
     call.update(kwargs)
     named = call.pop("backend", None)
+    default_eps = None if op == "rms_norm" else 1e-5
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
     plan = spec.plan(
         op,
@@ -74,7 +108,7 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         call.get("normalized_shape"),
         call.get("weight"),
         call.get("bias"),
-        call.get("eps", 1e-5),
+        call.get("eps", default_eps),
         call.get("axis"),
         call.get("return_stats", False),
         call.get("out"),

@@ -17,7 +17,7 @@ from typing import Any
 from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.errors import ArgumentError
-from normlab.spec import Plan
+from normlab.spec import Plan, split_out
 
 __all__ = ["Route", "route", "run"]
 
@@ -184,10 +184,7 @@ def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) ->
     r = plan.routes.get(choice.backend.name)
     if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
         return r.function(x, weight, bias, plan=plan, out=None)[0]
-    if isinstance(out, tuple):
-        out_y, out_mean, out_rstd = out
-    else:
-        out_y, out_mean, out_rstd = out, None, None
+    out_y, out_mean, out_rstd = split_out(plan.op, out)
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, out_y)
     else:
@@ -212,7 +209,7 @@ def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) ->
             y = _from_rows(y2, plan, r, r.permuted_shape)
         if not plan.return_stats:
             return y
-        mean = _from_rows(mean1, plan, r, r.stats_permuted_shape)
+        mean = None if mean1 is None else _from_rows(mean1, plan, r, r.stats_permuted_shape)
         rstd = _from_rows(rstd1, plan, r, r.stats_permuted_shape)
     if not plan.return_stats:
         return y
@@ -222,6 +219,8 @@ def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) ->
     if out_rstd is not None:
         _copy_into(out_rstd, rstd, plan.family)
         rstd = out_rstd
+    if plan.op == "rms_norm":
+        return y, rstd
     return y, mean, rstd
 
 
@@ -234,6 +233,8 @@ def _empty_result(plan: Plan, x: Any, out_y: Any) -> tuple[Any, Any, Any]:
         return y, None, None
     dtype = getattr(xp, plan.stats_dtype)
     device = array_api_compat.device(x)
-    mean = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
+    mean = None
+    if plan.op != "rms_norm":
+        mean = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
     rstd = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
     return y, mean, rstd

@@ -1,4 +1,4 @@
-"""The float64 oracle the tests compare against. Not a backend: slow, simple, exact enough.
+"""The float64 oracles the tests compare against. Not a backend: slow, simple, exact enough.
 
 Every input is converted to float64 NumPy first; statistics use the shifted two-pass form
 (``mean = x0 + mean(x - x0)``, then the centred sum of squares), so constant rows give exactly
@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["layer_norm", "normalized_axes", "to_float64"]
+from normlab.spec import MACHINE_EPS
+
+__all__ = ["layer_norm", "normalized_axes", "rms_norm", "to_float64"]
 
 
 def to_float64(a: Any) -> np.ndarray:
@@ -43,15 +45,9 @@ def layer_norm(
 
     ``weight``/``bias`` have the normalized shape (``x.shape[a]`` for the sorted axes).
     """
-    x64 = to_float64(x)
-    axes = normalized_axes(x64.ndim, normalized_shape, axis)
-    batch = tuple(a for a in range(x64.ndim) if a not in axes)
-    rows = x64.transpose(batch + axes).reshape(
-        int(np.prod([x64.shape[a] for a in batch], dtype=np.int64)), -1
-    )
+    rows, restore = _rows(to_float64(x), normalized_shape, axis)
     x0 = rows[:, :1]
-    shift = (rows - x0).mean(axis=1, keepdims=True)
-    mean = x0 + shift
+    mean = x0 + (rows - x0).mean(axis=1, keepdims=True)
     centred = rows - mean
     var = np.mean(centred * centred, axis=1, keepdims=True)
     rstd = 1.0 / np.sqrt(var + np.float64(eps))
@@ -60,12 +56,45 @@ def layer_norm(
         y = y * to_float64(weight).reshape(1, -1)
     if bias is not None:
         y = y + to_float64(bias).reshape(1, -1)
+    return restore(y, mean, rstd)
+
+
+def rms_norm(
+    x: Any,
+    normalized_shape: Any = None,
+    weight: Any = None,
+    eps: float | None = None,
+    *,
+    axis: Any = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(y, rstd)`` in float64, ``y = x / sqrt(mean(x^2) + eps) * weight``; rstd keepdims.
+
+    ``eps=None`` means ``finfo(x.dtype).eps`` of the input's dtype.
+    """
+    if eps is None:
+        eps = MACHINE_EPS[np.asarray(x).dtype.name]
+    rows, restore = _rows(to_float64(x), normalized_shape, axis)
+    rstd = 1.0 / np.sqrt(np.mean(rows * rows, axis=1, keepdims=True) + np.float64(eps))
+    y = rows * rstd
+    if weight is not None:
+        y = y * to_float64(weight).reshape(1, -1)
+    y_full, _, rstd_full = restore(y, rstd, rstd)
+    return y_full, rstd_full
+
+
+def _rows(x64: np.ndarray, normalized_shape: Any, axis: Any) -> tuple[np.ndarray, Any]:
+    """x64 as 2-D rows (batch axes first), and a function restoring results to x's layout."""
+    axes = normalized_axes(x64.ndim, normalized_shape, axis)
+    batch = tuple(a for a in range(x64.ndim) if a not in axes)
+    n_rows = int(np.prod([x64.shape[a] for a in batch], dtype=np.int64))
+    n_cols = int(np.prod([x64.shape[a] for a in axes], dtype=np.int64))
+    rows = x64.transpose(batch + axes).reshape(n_rows, n_cols)
     permuted_shape = tuple(x64.shape[a] for a in batch + axes)
-    inverse = tuple(np.argsort(batch + axes))
-    y_full = y.reshape(permuted_shape).transpose(inverse)
+    inverse = tuple(int(i) for i in np.argsort(batch + axes))
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(x64.shape))
-    return (
-        np.ascontiguousarray(y_full),
-        mean.reshape(stats_shape),
-        rstd.reshape(stats_shape),
-    )
+
+    def restore(y: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> tuple[Any, Any, Any]:
+        y_full = np.ascontiguousarray(y.reshape(permuted_shape).transpose(inverse))
+        return y_full, mean.reshape(stats_shape), rstd.reshape(stats_shape)
+
+    return rows, restore

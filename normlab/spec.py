@@ -19,11 +19,27 @@ from normlab import arrays
 from normlab.arrays import ArrayInfo
 from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
 
-__all__ = ["FLOAT_DTYPES", "HALF_DTYPES", "Plan", "plan", "row_view_strides", "stats_dtype_for"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "HALF_DTYPES",
+    "Plan",
+    "plan",
+    "row_view_strides",
+    "split_out",
+    "stats_dtype_for",
+    "stats_names",
+]
 
 FLOAT_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES: Final = frozenset({"float16", "bfloat16"})
-OPS: Final = ("layer_norm",)
+OPS: Final = ("layer_norm", "rms_norm")
+#: ``finfo(dtype).eps``: rms_norm's default eps (as ``torch.nn.functional.rms_norm``).
+MACHINE_EPS: Final = {
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+    "float32": 2.0**-23,
+    "float64": 2.0**-52,
+}
 _PLAN_CACHE_SIZE: Final = 4096
 
 
@@ -223,8 +239,13 @@ def _validate(
     norm_shape = tuple(xi.shape[a] for a in axes)
     compute = stats_dtype_for(xi.dtype)
     weight_dtype = _check_param("weight", weight, xi, norm_shape)
+    if op == "rms_norm" and bias is not None:
+        raise ArgumentError("rms_norm takes no bias (y = x / sqrt(mean(x^2) + eps) * weight)")
     bias_dtype = _check_param("bias", bias, xi, norm_shape)
-    eps_value = _check_eps(eps)
+    if op == "rms_norm" and eps is None:
+        eps_value = MACHINE_EPS[xi.dtype]
+    else:
+        eps_value = _check_eps(eps)
     if not isinstance(return_stats, bool):
         raise ArgumentError(f"return_stats must be True or False, got {return_stats!r}")
     permutation = batch_axes + axes
@@ -233,7 +254,7 @@ def _validate(
     else:
         permutation_or_none = permutation
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
-    out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute)
+    out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute, op)
     out_strides = None
     if out_y is not None:
         out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
@@ -368,30 +389,46 @@ def _check_eps(eps: Any) -> float:
     return value
 
 
+def stats_names(op: str) -> tuple[str, ...]:
+    """The statistics an op returns with ``return_stats``, in order."""
+    return ("rstd",) if op == "rms_norm" else ("mean", "rstd")
+
+
+def split_out(op: str, out: Any) -> tuple[Any, Any, Any]:
+    """``out`` as ``(y, mean, rstd)`` (entries None when not given); the tuple form is
+    ``(y, mean, rstd)`` for layer_norm and ``(y, rstd)`` for rms_norm."""
+    if not isinstance(out, tuple):
+        return out, None, None
+    if op == "rms_norm":
+        y_out, rstd_out = out
+        return y_out, None, rstd_out
+    return out  # type: ignore[return-value]
+
+
 def _check_out(
     out: Any,
     xi: ArrayInfo,
     return_stats: bool,
     stats_shape: tuple[int, ...],
     stats_dtype: str,
+    op: str,
 ) -> tuple[ArrayInfo | None, tuple[bool, bool]]:
     if out is None:
         return None, (False, False)
     if isinstance(out, tuple):
-        if not return_stats or len(out) != 3:
+        names = ("y", *stats_names(op))
+        if not return_stats or len(out) != len(names):
             raise ArgumentError(
-                "out may be a tuple only with return_stats=True, as (y, mean, rstd) with None "
-                f"for entries to allocate; got a tuple of {len(out)}"
+                f"out may be a tuple only with return_stats=True, as ({', '.join(names)}) with "
+                f"None for entries to allocate; got a tuple of {len(out)}"
             )
-        y_out, mean_out, rstd_out = out
-    else:
-        y_out, mean_out, rstd_out = out, None, None
+    y_out, mean_out, rstd_out = split_out(op, out)
     if xi.requires_grad:
         raise ArgumentError("out= cannot be used when x requires grad (the result would be detached)")
     yi = None
     if y_out is not None:
         yi = _check_out_array("out", y_out, xi, xi.shape, xi.dtype)
-    for name, o in (("out[1] (mean)", mean_out), ("out[2] (rstd)", rstd_out)):
+    for name, o in (("out (mean)", mean_out), ("out (rstd)", rstd_out)):
         if o is not None:
             _check_out_array(name, o, xi, stats_shape, stats_dtype)
     return yi, (mean_out is not None, rstd_out is not None)

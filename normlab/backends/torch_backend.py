@@ -13,7 +13,7 @@ import torch
 
 from normlab.spec import Plan
 
-__all__ = ["from_numpy", "layer_norm", "to_numpy"]
+__all__ = ["from_numpy", "layer_norm", "rms_norm", "to_numpy"]
 
 _TORCH_DTYPES = {
     "float16": torch.float16,
@@ -39,6 +39,21 @@ def layer_norm(
         var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=1, correction=0)
         rstd = torch.rsqrt(var + plan.eps)
     return y, mean.reshape(plan.rows), rstd.reshape(plan.rows)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: None, *, plan: Plan, out: Any = None,
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """``torch.nn.functional.rms_norm`` on the 2-D ``x``; rstd recomputed in float32/64."""
+    if weight is not None and weight.dtype != x.dtype:  # float32 weight, half x: widen x
+        y = torch.nn.functional.rms_norm(x.float(), (plan.cols,), weight, plan.eps).to(x.dtype)
+    else:
+        y = torch.nn.functional.rms_norm(x, (plan.cols,), weight, plan.eps)
+    if not plan.return_stats:
+        return y, None, None
+    wide = x.detach().to(_TORCH_DTYPES[plan.stats_dtype])
+    rstd = torch.rsqrt(wide.square().mean(dim=1) + plan.eps)
+    return y, None, rstd
 
 
 def to_numpy(a: torch.Tensor) -> np.ndarray:
