@@ -137,7 +137,11 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     if plan.empty:
         lines.append("  empty input: no kernel is launched")
     else:
-        r = layout.route(plan, choice)
+        try:
+            r = layout.route(plan, choice)
+        except NormlabError as exc:
+            lines.append(f"  the chosen backend cannot run: {exc}")
+            return "\n".join(lines)
         lines.append(f"  layout: {'copy of x — ' + r.copy_x if r.copy_x else 'no copy of x'}")
         if plan.has_out:
             how = "directly" if r.out_direct else "through one temporary"

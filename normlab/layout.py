@@ -51,8 +51,8 @@ def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: 
 def route(plan: Plan, choice: Choice) -> Route:
     """The :class:`Route` of ``plan`` on the chosen backend (cached on the plan)."""
     backend = choice.backend
-    cached = plan.routes.get(backend.name)
-    if cached is not None and cached.function is not None:
+    cached = plan.routes.get(backend)
+    if cached is not None:
         return cached  # type: ignore[no-any-return]
     caps = backend.capabilities
     copy_x = None
@@ -70,8 +70,8 @@ def route(plan: Plan, choice: Choice) -> Route:
         function=backend.function(plan.op),
         direct=(
             copy_x is None
-            and len(plan.shape) == 2
             and order is None
+            and plan.shape == (plan.rows, plan.cols)
             and not plan.has_out
             and not plan.return_stats
             and not plan.empty
@@ -83,7 +83,7 @@ def route(plan: Plan, choice: Choice) -> Route:
         permuted_shape=permuted,
         stats_permuted_shape=tuple(plan.shape[a] for a in plan.batch_axes) + (1,) * len(plan.axes),
     )
-    plan.routes[backend.name] = result
+    plan.routes[backend] = result
     return result
 
 
@@ -181,7 +181,7 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
     """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
-    r = plan.routes.get(choice.backend.name)
+    r = plan.routes.get(choice.backend)
     if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
         return r.function(x, weight, bias, plan=plan, out=None)[0]
     out_y, out_mean, out_rstd = split_out(plan.op, out)

@@ -262,9 +262,9 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(f"name {record.name!r} is not an identifier")
     for field_name in ("families", "devices", "dtypes", "ops", "capabilities", "explicit_families"):
         value = getattr(record, field_name)
-        if not isinstance(value, (set, frozenset)) or not all(isinstance(v, str) for v in value):
+        if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
             problems.append(f"{field_name} must be a frozenset of str, got {value!r}")
-    if isinstance(record.capabilities, (set, frozenset)) and record.capabilities - CAPABILITIES:
+    if isinstance(record.capabilities, frozenset) and record.capabilities - CAPABILITIES:
         problems.append(f"unknown capabilities {sorted(record.capabilities - CAPABILITIES)}")
     if not isinstance(record.priority, int):
         problems.append(f"priority must be an int, got {record.priority!r}")
@@ -308,8 +308,12 @@ def get(name: str) -> Backend:
     try:
         return backends[name]
     except (KeyError, TypeError):
-        known = ", ".join(sorted(backends)) or "none"
-        raise BackendError(f"unknown backend {name!r}; registered backends: {known}") from None
+        available = ", ".join(b.name for b in list_backends() if b.available) or "none"
+        unavailable = ", ".join(b.name for b in list_backends() if not b.available)
+        raise BackendError(
+            f"unknown backend {name!r}; available backends: {available}"
+            + (f" (registered but unavailable here: {unavailable})" if unavailable else "")
+        ) from None
 
 
 def plugin_failures() -> list[PluginFailure]:

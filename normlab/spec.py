@@ -10,6 +10,7 @@ never re-check.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -259,7 +260,10 @@ def _validate(
     if out_y is not None:
         out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
     rows = math.prod(xi.shape[a] for a in batch_axes)
-    dispatch_key = (op, xi.family, xi.device_kind, xi.dtype, xi.requires_grad)
+    requires_grad = xi.requires_grad or any(
+        arrays.info(p).requires_grad for p in (weight, bias) if p is not None
+    )
+    dispatch_key = (op, xi.family, xi.device_kind, xi.dtype, requires_grad)
     return Plan(
         op=op,
         family=xi.family,
@@ -278,7 +282,7 @@ def _validate(
         bias_dtype=bias_dtype,
         eps=eps_value,
         return_stats=return_stats,
-        requires_grad=xi.requires_grad,
+        requires_grad=requires_grad,
         permutation=permutation_or_none,
         x_strides=row_view_strides(xi.shape, xi.strides, batch_axes, axes),
         x_native=xi.native_byte_order,
@@ -378,12 +382,9 @@ def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) 
 
 
 def _check_eps(eps: Any) -> float:
-    if isinstance(eps, bool):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}") from None
+    value = float(eps)
     if not math.isfinite(value) or value < 0:
         raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
     return value
@@ -448,7 +449,10 @@ def _check_out_array(
         raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
     if not oi.writeable:
         raise ArgumentError(f"{name} is read-only")
-    if oi.strides is not None and any(s == 0 and n > 1 for s, n in zip(oi.strides, oi.shape)):
+    zero_stride = oi.strides is not None and any(
+        s == 0 and n > 1 for s, n in zip(oi.strides, oi.shape)
+    )
+    if zero_stride and math.prod(oi.shape) > 0:
         raise ArgumentError(f"{name} has a zero stride (a broadcast view); its elements overlap")
     if oi.requires_grad:
         raise ArgumentError(f"{name} requires grad; normlab cannot write into it in place")

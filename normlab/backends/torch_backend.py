@@ -68,9 +68,9 @@ def to_numpy(a: torch.Tensor) -> np.ndarray:
 
 def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor copy of a NumPy array, on ``like``'s device (bfloat16 via ml_dtypes)."""
-    a = np.ascontiguousarray(a)
+    a = np.array(a, copy=True, order="C")
     if a.dtype.name == "bfloat16":
-        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
-        t = torch.from_numpy(a.copy())
+        t = torch.from_numpy(a)
     return t if like is None else t.to(like.device)
