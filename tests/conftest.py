@@ -1,0 +1,59 @@
+"""Shared fixtures: a backend preference that keeps tests independent of the winning CPU backend,
+fake-plugin registration with clean-up, and the NumPy / PyTorch array families."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import plugins_for_tests
+import pytest
+
+import normlab
+from normlab import dispatch, registry, spec
+
+
+@pytest.fixture(autouse=True)
+def _prefer_numpy_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """NumPy arrays go to the numpy backend (whether or not numba is installed); other families
+    fall back to priority. Dispatch tests that need no preference use ``no_preference``."""
+    monkeypatch.setenv("NORMLAB_BACKEND", "numpy")
+    dispatch.clear_caches()
+    yield
+    dispatch.clear_caches()
+
+
+@pytest.fixture
+def no_preference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``NORMLAB_BACKEND``: choice by priority alone."""
+    monkeypatch.delenv("NORMLAB_BACKEND", raising=False)
+    dispatch.clear_caches()
+
+
+@pytest.fixture
+def register() -> Iterator[Callable[..., ModuleType]]:
+    """``register(*records, name=None)`` registers a fake plugin for this test only."""
+    plugins: list[ModuleType] = []
+
+    def _register(*records: Any, name: str | None = None) -> ModuleType:
+        plugin = plugins_for_tests.plugin(*records, name=name)
+        normlab.register_plugin(plugin)
+        plugins.append(plugin)
+        return plugin
+
+    yield _register
+    for plugin in plugins:
+        if registry.registry().manager.is_registered(plugin):
+            normlab.unregister_plugin(plugin)
+    plugins_for_tests.CALLS.clear()
+    spec.clear_cache()
+    dispatch.clear_caches()
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def lib(request: pytest.FixtureRequest) -> registry.Backend:
+    """The built-in backend of one array family; its ``from_numpy``/``to_numpy`` convert arrays."""
+    if request.param == "torch":
+        pytest.importorskip("torch")
+    return registry.get(request.param)

@@ -1,0 +1,391 @@
+"""Every bad input raises the right NormlabError subclass with a message naming the problem,
+and leaves the caller's arrays untouched."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import normlab
+from normlab import spec
+from normlab.registry import Backend
+
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(1)
+
+
+@pytest.mark.parametrize(
+    ("error", "builtin"),
+    [
+        (normlab.ShapeError, ValueError),
+        (normlab.ArgumentError, ValueError),
+        (normlab.DtypeError, TypeError),
+        (normlab.DeviceError, ValueError),
+        (normlab.BackendError, LookupError),
+    ],
+)
+def test_error_classes(error: type[Exception], builtin: type[Exception]) -> None:
+    assert issubclass(error, normlab.NormlabError)
+    assert issubclass(error, builtin)
+    assert issubclass(normlab.NormlabError, Exception)
+    assert issubclass(normlab.NormlabWarning, UserWarning)
+
+
+def _x(*shape: int, dtype: Any = np.float32) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+# Each case: a call on arrays of one family (made by ``lib.from_numpy``), the error class, and a
+# pattern its message must match.
+X = _x(2, 3, 4)
+Call = Callable[[Callable[[np.ndarray], Any]], Any]
+BAD_CALLS: dict[str, tuple[Call, type[Exception], str]] = {
+    "normalized_shape-mismatch": (
+        lambda a: normlab.layer_norm(a(X), (5,)),
+        normlab.ShapeError,
+        r"\(5,\).*\(2, 3, 4\)",
+    ),
+    "normalized_shape-not-trailing": (
+        lambda a: normlab.layer_norm(a(X), (2, 3)),
+        normlab.ShapeError,
+        r"\(2, 3\).*\(2, 3, 4\)",
+    ),
+    "normalized_shape-too-long": (
+        lambda a: normlab.layer_norm(a(X), (1, 2, 3, 4)),
+        normlab.ShapeError,
+        r"\(1, 2, 3, 4\)",
+    ),
+    "normalized_shape-empty": (
+        lambda a: normlab.layer_norm(a(X), ()),
+        normlab.ShapeError,
+        r"normalized_shape=\(\)",
+    ),
+    "normalized_shape-float": (
+        lambda a: normlab.layer_norm(a(X), 4.0),
+        normlab.ArgumentError,
+        "normalized_shape",
+    ),
+    "normalized_shape-str": (
+        lambda a: normlab.layer_norm(a(X), "4"),
+        normlab.ArgumentError,
+        "normalized_shape",
+    ),
+    "normalized_shape-bool": (
+        lambda a: normlab.layer_norm(a(_x(3, 1)), True),
+        normlab.ArgumentError,
+        "normalized_shape",
+    ),
+    "axis-too-large": (
+        lambda a: normlab.layer_norm(a(X), axis=3),
+        normlab.ShapeError,
+        "axis 3 is out of range",
+    ),
+    "axis-too-negative": (
+        lambda a: normlab.layer_norm(a(X), axis=(0, -4)),
+        normlab.ShapeError,
+        "axis -4 is out of range",
+    ),
+    "axis-repeated": (lambda a: normlab.layer_norm(a(X), axis=(1, 1)), normlab.ShapeError, "twice"),
+    "axis-repeated-negative": (
+        lambda a: normlab.layer_norm(a(X), axis=(2, -1)),
+        normlab.ShapeError,
+        "twice",
+    ),
+    "axis-empty": (lambda a: normlab.layer_norm(a(X), axis=()), normlab.ShapeError, r"axis=\(\)"),
+    "axis-float": (lambda a: normlab.layer_norm(a(X), axis=1.0), normlab.ArgumentError, "axis"),
+    "axis-disagrees": (
+        lambda a: normlab.layer_norm(a(X), (3, 4), axis=(0, 2)),
+        normlab.ShapeError,
+        "disagree",
+    ),
+    "weight-shape": (
+        lambda a: normlab.layer_norm(a(X), weight=a(_x(3))),
+        normlab.ShapeError,
+        r"weight has shape \(3,\).*\(4,\)",
+    ),
+    "bias-shape": (
+        lambda a: normlab.layer_norm(a(X), (3, 4), bias=a(_x(4))),
+        normlab.ShapeError,
+        r"bias has shape \(4,\).*\(3, 4\)",
+    ),
+    "weight-shape-with-axis": (
+        lambda a: normlab.layer_norm(a(X), weight=a(_x(4, 2)), axis=(2, 0)),
+        normlab.ShapeError,
+        r"\(2, 4\)",
+    ),
+    "weight-wider-dtype": (
+        lambda a: normlab.layer_norm(a(X), weight=a(_x(4, dtype=np.float64))),
+        normlab.DtypeError,
+        "weight has dtype float64.*float32",
+    ),
+    "bias-narrower-dtype": (
+        lambda a: normlab.layer_norm(a(X), bias=a(_x(4, dtype=np.float16))),
+        normlab.DtypeError,
+        "bias has dtype float16",
+    ),
+    "weight-float64-for-half": (
+        lambda a: normlab.layer_norm(a(_x(3, dtype=np.float16)), weight=a(_x(3, dtype=np.float64))),
+        normlab.DtypeError,
+        "float16 or float32",
+    ),
+    "weight-int": (
+        lambda a: normlab.layer_norm(a(X), weight=a(np.ones(4, np.int32))),
+        normlab.DtypeError,
+        "int32",
+    ),
+    "weight-not-array": (
+        lambda a: normlab.layer_norm(a(X), weight=[1.0] * 4),
+        normlab.ArgumentError,
+        "weight must be an array",
+    ),
+    "x-int": (
+        lambda a: normlab.layer_norm(a(np.ones((2, 3), np.int64))),
+        normlab.DtypeError,
+        "int64",
+    ),
+    "x-bool": (lambda a: normlab.layer_norm(a(np.ones((2, 3), bool))), normlab.DtypeError, "bool"),
+    "x-complex": (
+        lambda a: normlab.layer_norm(a(np.ones((2, 3), np.complex64))),
+        normlab.DtypeError,
+        "complex64",
+    ),
+    "eps-negative": (lambda a: normlab.layer_norm(a(X), eps=-1e-5), normlab.ArgumentError, "eps"),
+    "eps-nan": (lambda a: normlab.layer_norm(a(X), eps=float("nan")), normlab.ArgumentError, "eps"),
+    "eps-inf": (lambda a: normlab.layer_norm(a(X), eps=float("inf")), normlab.ArgumentError, "eps"),
+    "eps-minus-inf": (
+        lambda a: normlab.layer_norm(a(X), eps=-np.inf),
+        normlab.ArgumentError,
+        "eps",
+    ),
+    "eps-none": (lambda a: normlab.layer_norm(a(X), eps=None), normlab.ArgumentError, "eps"),
+    "eps-bool": (lambda a: normlab.layer_norm(a(X), eps=True), normlab.ArgumentError, "eps"),
+    "return_stats-not-bool": (
+        lambda a: normlab.layer_norm(a(X), return_stats=1),
+        normlab.ArgumentError,
+        "return_stats",
+    ),
+    "backend-unknown": (
+        lambda a: normlab.layer_norm(a(X), backend="no_such_backend"),
+        normlab.BackendError,
+        "no_such_backend.*numpy.*torch",
+    ),
+    "backend-not-a-name": (
+        lambda a: normlab.layer_norm(a(X), backend=3),
+        normlab.BackendError,
+        "unknown backend",
+    ),
+    "out-shape": (
+        lambda a: normlab.layer_norm(a(X), out=a(_x(2, 3, 5))),
+        normlab.ShapeError,
+        r"out has shape",
+    ),
+    "out-dtype": (
+        lambda a: normlab.layer_norm(a(X), out=a(_x(2, 3, 4, dtype=np.float64))),
+        normlab.DtypeError,
+        "out has dtype float64; it must be float32",
+    ),
+    "out-not-array": (
+        lambda a: normlab.layer_norm(a(X), out=[0.0]),
+        normlab.ArgumentError,
+        "out must be an array",
+    ),
+    "out-tuple-without-stats": (
+        lambda a: normlab.layer_norm(a(X), out=(a(X), None, None)),
+        normlab.ArgumentError,
+        "return_stats=True",
+    ),
+    "out-tuple-of-two": (
+        lambda a: normlab.layer_norm(a(X), return_stats=True, out=(a(X), None)),
+        normlab.ArgumentError,
+        "tuple of 2",
+    ),
+    "out-mean-dtype": (
+        lambda a: normlab.layer_norm(
+            a(_x(3, 4, dtype=np.float16)),
+            return_stats=True,
+            out=(None, a(np.zeros((3, 1), np.float16)), None),
+        ),
+        normlab.DtypeError,
+        "mean.*must be float32",
+    ),
+    "out-rstd-shape": (
+        lambda a: normlab.layer_norm(
+            a(X), return_stats=True, out=(None, None, a(np.zeros((2, 3), np.float32)))
+        ),
+        normlab.ShapeError,
+        r"rstd.*\(2, 3, 1\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input(lib: Backend, case: str) -> None:
+    call, error, pattern = BAD_CALLS[case]
+    with pytest.raises(error, match=pattern):
+        call(lib.from_numpy)
+
+
+@pytest.mark.parametrize(
+    "x", [[[1.0, 2.0]], 1.5, None, "x", (1.0, 2.0)], ids=["list", "float", "None", "str", "tuple"]
+)
+def test_x_not_an_array(x: Any) -> None:
+    with pytest.raises(normlab.ArgumentError, match="x must be an array"):
+        normlab.layer_norm(x)
+
+
+@pytest.mark.parametrize(
+    "x", [np.float32(1.0), np.array(1.0), torch.tensor(1.0)], ids=["numpy-scalar", "numpy", "torch"]
+)
+def test_scalar_x(x: Any) -> None:
+    with pytest.raises(normlab.ShapeError, match="0-d"):
+        normlab.layer_norm(x)
+
+
+def test_masked_x_and_parameters() -> None:
+    x = np.ma.masked_array(_x(2, 3), mask=[[0, 1, 0], [0, 0, 0]])
+    with pytest.raises(normlab.DtypeError, match="masked"):
+        normlab.layer_norm(x)
+    with pytest.raises(normlab.DtypeError, match="masked"):
+        normlab.layer_norm(x.data, weight=np.ma.masked_array(_x(3)))
+
+
+def test_long_double_x() -> None:
+    with pytest.raises(normlab.DtypeError, match="floating-point arrays only"):
+        normlab.layer_norm(np.ones((2, 3), np.longdouble))
+
+
+def test_parameter_from_another_library() -> None:
+    with pytest.raises(normlab.DeviceError, match=r"weight is a torch\.Tensor but x is a numpy"):
+        normlab.layer_norm(_x(2, 4), weight=torch.ones(4))
+    with pytest.raises(normlab.DeviceError, match=r"bias is a numpy\.ndarray but x is a torch"):
+        normlab.layer_norm(torch.ones(2, 4), bias=np.ones(4, np.float32))
+
+
+def test_parameter_on_another_device() -> None:
+    x = torch.ones(2, 4)
+    with pytest.raises(normlab.DeviceError, match="weight is on device meta but x is on cpu"):
+        normlab.layer_norm(x, weight=torch.ones(4, device="meta"))
+
+
+def test_out_from_another_library_or_device() -> None:
+    with pytest.raises(normlab.DeviceError, match="torch"):
+        normlab.layer_norm(_x(2, 4), out=torch.zeros(2, 4))
+    with pytest.raises(normlab.DeviceError, match="meta"):
+        normlab.layer_norm(torch.ones(2, 4), out=torch.zeros(2, 4, device="meta"))
+
+
+def test_out_read_only() -> None:
+    out = np.zeros((2, 4), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(normlab.ArgumentError, match="read-only"):
+        normlab.layer_norm(_x(2, 4), out=out)
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), (2, 4), (0, 4), writeable=True),
+        torch.zeros(4).expand(2, 4),
+    ],
+    ids=["numpy", "torch"],
+)
+def test_out_broadcast(out: Any) -> None:
+    x = _x(2, 4) if isinstance(out, np.ndarray) else torch.ones(2, 4)
+    with pytest.raises(normlab.ArgumentError, match="zero stride"):
+        normlab.layer_norm(x, out=out)
+
+
+def test_out_with_x_or_out_requiring_grad() -> None:
+    with pytest.raises(normlab.ArgumentError, match="requires grad"):
+        normlab.layer_norm(torch.ones(2, 4, requires_grad=True), out=torch.zeros(2, 4))
+    with pytest.raises(normlab.ArgumentError, match="requires grad"):
+        normlab.layer_norm(torch.ones(2, 4), out=torch.zeros(2, 4, requires_grad=True))
+
+
+def test_explicit_backend_of_another_family_never_converts() -> None:
+    with pytest.raises(normlab.BackendError, match="serves numpy arrays, not torch"):
+        normlab.layer_norm(torch.ones(2, 4), backend="numpy")
+    with pytest.raises(normlab.BackendError, match="serves torch arrays, not numpy"):
+        normlab.layer_norm(_x(2, 4), backend="torch")
+
+
+def test_unknown_op_for_explain() -> None:
+    with pytest.raises(normlab.ArgumentError, match="unknown op 'group_norm'"):
+        normlab.explain(_x(2, 4), op="group_norm")
+
+
+def test_partial_overlap_of_out_and_x(lib: Backend) -> None:
+    buffer = lib.from_numpy(_x(5, 4))
+    before = lib.to_numpy(buffer).tobytes()
+    with pytest.raises(normlab.ArgumentError, match="partially overlaps"):
+        normlab.layer_norm(buffer[:4], out=buffer[1:])
+    assert lib.to_numpy(buffer).tobytes() == before
+
+
+def test_overlap_of_reversed_x_and_out() -> None:
+    x = _x(4, 3)
+    with pytest.raises(normlab.ArgumentError, match="partially overlaps"):
+        normlab.layer_norm(x, out=x[::-1])
+
+
+def test_interleaved_out_and_x_do_not_overlap() -> None:
+    buffer = _x(3, 8)
+    x, out = buffer[:, ::2], buffer[:, 1::2]
+    expected = normlab.layer_norm(x.copy())
+    normlab.layer_norm(x, out=out)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_error_paths_modify_nothing(lib: Backend) -> None:
+    buffer, w, b = (lib.from_numpy(a) for a in (_x(5, 4), _x(4), _x(4)))
+    x = buffer[:4]
+    before = [lib.to_numpy(a).tobytes() for a in (buffer, w, b)]
+    bad_calls = [
+        lambda: normlab.layer_norm(x, (3,), w, b),
+        lambda: normlab.layer_norm(x, weight=w, bias=b, eps=float("nan")),
+        lambda: normlab.layer_norm(x, weight=w, bias=b, backend="no_such_backend"),
+        lambda: normlab.layer_norm(x, weight=w, bias=b, out=lib.from_numpy(_x(4, 4, dtype=bool))),
+        lambda: normlab.layer_norm(x, weight=w, bias=b, out=buffer[1:]),
+    ]
+    for call in bad_calls:
+        with pytest.raises(normlab.NormlabError):
+            call()
+    assert [lib.to_numpy(a).tobytes() for a in (buffer, w, b)] == before
+
+
+# The plan cache keys on values that compare equal across types (1 == True, 4 == 4.0): a cached
+# valid call must not let an invalid one through.
+@pytest.mark.parametrize(
+    ("good", "bad", "error"),
+    [
+        ({"eps": 1}, {"eps": True}, normlab.ArgumentError),
+        ({"return_stats": True}, {"return_stats": 1}, normlab.ArgumentError),
+        ({"normalized_shape": 1}, {"normalized_shape": True}, normlab.ArgumentError),
+        ({"normalized_shape": (4,)}, {"normalized_shape": (4.0,)}, normlab.ArgumentError),
+        ({"axis": 1}, {"axis": 1.0}, normlab.ArgumentError),
+    ],
+)
+def test_cached_valid_call_does_not_admit_an_equal_invalid_one(
+    good: dict[str, Any], bad: dict[str, Any], error: type[Exception]
+) -> None:
+    x = _x(3, 4) if "axis" in good or good.get("normalized_shape") != 1 else _x(4, 1)
+    spec.clear_cache()
+    normlab.layer_norm(x, **good)
+    with pytest.raises(error):
+        normlab.layer_norm(x, **bad)
+
+
+def test_messages_are_the_same_on_cached_and_fresh_calls() -> None:
+    x = _x(2, 3)
+    messages = []
+    for _ in range(2):
+        with pytest.raises(normlab.ShapeError) as info:
+            normlab.layer_norm(x, (4,))
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert re.search(r"\(4,\).*\(2, 3\)", messages[0])
