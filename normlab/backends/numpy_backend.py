@@ -4,7 +4,7 @@ Each block of rows (about :data:`BLOCK_BYTES` of compute-dtype data) is normaliz
 buffer that stays in cache, with the shifted two-pass formula::
 
     d    = mean(x - x0)              x0: the row's first element; mean = x0 + d
-    var  = mean((x - x0 - d)^2)      population variance; row sums by BLAS matrix-vector products
+    var  = mean((x - x0 - d)^2)      population variance; per-row dot products
     rstd = 1 / sqrt(var + eps)
     y    = (x - mean) * rstd * weight + bias
 
@@ -18,11 +18,19 @@ from typing import Any, Final
 
 import numpy as np
 
+from normlab.backward import ROW_CHUNK
 from normlab.spec import Plan
 
-__all__ = ["from_numpy", "layer_norm", "rms_norm", "to_numpy"]
+__all__ = [
+    "from_numpy",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "to_numpy",
+]
 
-#: Bytes of compute-dtype scratch per block (two buffers): small enough for L2 on most CPUs.
+#: Bytes of compute-dtype scratch per block: small enough to stay in L2 on most CPUs.
 BLOCK_BYTES: Final = 512 * 1024
 
 
@@ -60,24 +68,21 @@ def _normalize(
     # The result block doubles as scratch when it already has the compute dtype and C layout.
     y_is_scratch = y.dtype == compute and y.flags.c_contiguous
     scratch = None if y_is_scratch else np.empty((min(block, rows), cols), compute)
-    squares = np.empty((min(block, rows), cols), compute)
-    ones = np.ones(cols, compute)  # row sums as a matrix-vector product: blocked, vectorised
+    ones = np.ones(cols, compute)  # row sums as dot products: vectorised, one row at a time
     for start in range(0, rows, block):
         stop = min(start + block, rows)
         xb = x[start:stop]
         yb = y[start:stop]
         t = yb if scratch is None else scratch[: stop - start]
-        sq = squares[: stop - start]
         if centre:
             x0 = xb[:, :1].astype(compute)  # a copy: t may be x's own memory (in place)
             np.subtract(xb, x0, out=t, dtype=compute)
-            shift = np.matmul(t, ones)[:, None]
+            shift = np.vecdot(t, ones)[:, None]
             shift /= cols
             t -= shift
         elif t is not xb:
             np.copyto(t, xb, casting="unsafe")
-        np.multiply(t, t, out=sq)
-        var = np.matmul(sq, ones)[:, None]
+        var = np.vecdot(t, t)[:, None]
         var /= cols
         var += eps
         rstd = np.sqrt(var, out=var)
@@ -104,3 +109,101 @@ def to_numpy(a: np.ndarray) -> np.ndarray:
 def from_numpy(a: np.ndarray, like: Any = None) -> np.ndarray:
     """NumPy arrays stay NumPy (a copy, so tests may mutate it freely)."""
     return np.array(a, copy=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (see :mod:`normlab.backward` for the contract).
+
+
+def layer_norm_backward(
+    dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+    weight: np.ndarray | None, *, plan: Plan, needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂``, ``dbias = Σ dy``
+    with ``x̂ = (x - mean) * rstd``, ``g = dy * weight``; see :mod:`normlab.backward`."""
+    return _backward(dy, x, mean, rstd, weight, plan, needs)
+
+
+def rms_norm_backward(
+    dy: np.ndarray, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray | None, *, plan: Plan,
+    needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``dx = rstd * (g - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂`` with ``x̂ = x * rstd``."""
+    dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    return dx, dweight
+
+
+def _backward(
+    dy: np.ndarray, x: np.ndarray, mean: np.ndarray | None, rstd: np.ndarray,
+    weight: np.ndarray | None, plan: Plan, needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both backward ops, block by block (``mean`` None: RMSNorm, no centring).
+
+    ``x̂ = (x - mean - r) * rstd`` with ``r = mean(x - mean)`` the residual of a rounded mean.
+    Blocks are whole chunks of :data:`~normlab.backward.ROW_CHUNK` rows; each chunk's column
+    sums (compute dtype) are kept and added in float64, chunk after chunk, at the end.
+    """
+    compute = np.dtype(plan.compute_dtype)
+    rows, cols = plan.rows, plan.cols
+    chunks = -(-rows // ROW_CHUNK)
+    block = max(1, BLOCK_BYTES // (cols * compute.itemsize * ROW_CHUNK)) * ROW_CHUNK
+    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    w = None if weight is None else weight.astype(compute, copy=False)
+    dw_parts = np.empty((chunks, cols), compute) if "weight" in needs else None
+    db_parts = np.empty((chunks, cols), compute) if "bias" in needs else None
+    size = min(block, rows)
+    xhat, g, t = (np.empty((size, cols), compute) for _ in range(3))
+    ones = np.ones(cols, compute)
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        n = stop - start
+        xb, gb, tb = xhat[:n], g[:n], t[:n]
+        np.copyto(xb, x[start:stop], casting="unsafe")
+        if mean is not None:
+            xb -= mean[start:stop, None]
+            residual = np.matmul(xb, ones)[:, None]
+            residual /= cols
+            xb -= residual
+        r = rstd[start:stop, None]
+        xb *= r
+        np.copyto(gb, dy[start:stop], casting="unsafe")
+        first = start // ROW_CHUNK
+        if db_parts is not None:
+            _chunk_sums(gb, db_parts[first:])
+        if dw_parts is not None:
+            np.multiply(gb, xb, out=tb)
+            _chunk_sums(tb, dw_parts[first:])
+        if dx is None:
+            continue
+        if w is not None:
+            gb *= w
+        np.multiply(gb, xb, out=tb)
+        mean_gx = np.matmul(tb, ones)[:, None]
+        mean_gx /= cols
+        np.multiply(xb, mean_gx, out=tb)
+        np.subtract(gb, tb, out=tb)
+        if mean is not None:
+            mean_g = np.matmul(gb, ones)[:, None]
+            mean_g /= cols
+            tb -= mean_g
+        tb *= r
+        dx[start:stop] = tb
+    return dx, _sum_chunks(dw_parts, compute), _sum_chunks(db_parts, compute)
+
+
+def _chunk_sums(t: np.ndarray, parts: np.ndarray) -> None:
+    """Column sums of each ROW_CHUNK rows of ``t`` into the first rows of ``parts``."""
+    n, cols = t.shape
+    whole = n // ROW_CHUNK
+    np.add.reduce(
+        t[: whole * ROW_CHUNK].reshape(whole, ROW_CHUNK, cols), axis=1, out=parts[:whole]
+    )
+    if n > whole * ROW_CHUNK:
+        np.add.reduce(t[whole * ROW_CHUNK :], axis=0, out=parts[whole])
+
+
+def _sum_chunks(parts: np.ndarray | None, compute: np.dtype[Any]) -> np.ndarray | None:
+    """The chunks' partial sums added in float64, in chunk order, rounded to ``compute``."""
+    if parts is None:
+        return None
+    return np.add.reduce(parts, axis=0, dtype=np.float64).astype(compute)

@@ -1,0 +1,609 @@
+"""The GPU check of the cupy backend, one stage per call (``benchmarks/gpu_check.sh`` runs all):
+
+    python benchmarks/gpu_check.py correctness --out DIR   every kernel, both families, bitwise rows
+    python benchmarks/gpu_check.py large --out DIR         65537 rows, 2^31+ elements, long rows
+    python benchmarks/gpu_check.py bench --out DIR         GB/s against torch and a copy
+
+Each stage writes ``DIR/<stage>.md``. ``correctness`` and ``large`` exit 1 when a case fails;
+``bench`` measures and never fails on speed (it marks the targets met or missed).
+
+``--dry-run`` needs no GPU: NumPy arrays through the numpy backend and CPU torch tensors through
+the torch backend stand in for CuPy arrays and CUDA tensors, with small shapes, so that the logic
+of every stage (cases, references, comparisons, tables) runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+ROOT: Final = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import normlab  # noqa: E402
+from normlab import reference  # noqa: E402
+from normlab.backends import cuda_launch  # noqa: E402
+from normlab.testing.tolerances import TOLERANCES, assert_close, conditioning  # noqa: E402
+
+DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
+EPS: Final = 1e-5
+AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097, 65536, 262144)
+BENCH_HIDDEN: Final = (256, 512, 1024, 2048, 4096, 8192, 16384)
+BENCH_ROWS: Final = (4096, 16384)
+BENCH_DTYPES: Final = ("float32", "bfloat16", "float16")
+#: (rows, hidden) where the targets apply: >= 85% of a copy's GB/s, >= 1.2x torch.
+TARGETS: Final = {(4096, 4096), (16384, 4096)}
+COPY_TARGET: Final = 0.85
+TORCH_TARGET: Final = 1.2
+#: Bytes written between timed calls so that x is not in L2 (a few times any current L2).
+FLUSH_BYTES: Final = 1 << 30
+
+
+# --------------------------------------------------------------------------------------------
+# Where arrays live: the GPU, or (dry run) the CPU
+
+
+@dataclass
+class Device:
+    """Array families, backends and timing on the GPU, or their CPU stand-ins in a dry run."""
+
+    dry: bool
+    families: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.families = ("numpy", "torch") if self.dry else ("cupy", "torch")
+
+    def backend(self, family: str) -> str:
+        if not self.dry:
+            return "cupy"
+        return "numpy" if family == "numpy" else "torch"
+
+    def array(self, a: np.ndarray, family: str) -> Any:
+        """A copy of ``a`` in ``family`` on this device."""
+        if family == "torch":
+            from normlab.backends.torch_backend import from_numpy
+
+            t = from_numpy(a)
+            return t if self.dry else t.cuda()
+        if family == "cupy":
+            from normlab.backends.cupy_backend import from_numpy as cupy_from_numpy
+
+            return cupy_from_numpy(a)
+        return np.array(a, copy=True)
+
+    def torch_device(self) -> str:
+        return "cpu" if self.dry else "cuda"
+
+    def synchronize(self) -> None:
+        if not self.dry:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def median_seconds(self, call: Callable[[], Any], repeats: int) -> float:
+        """Median time of ``call``: CUDA events with L2 flushed before each call on the GPU,
+        wall time on the CPU. The flush (a memset of FLUSH_BYTES) also hides the host's launch
+        overhead: the kernel is queued before the flush ends."""
+        call()
+        if self.dry:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+        import torch
+
+        scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
+        torch.cuda.synchronize()
+        for start, end in events:
+            scratch.zero_()
+            start.record()
+            call()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy, CuPy or torch array (bfloat16 via ml_dtypes)."""
+    module = type(a).__module__
+    if module.startswith("torch"):
+        from normlab.backends.torch_backend import to_numpy as torch_to_numpy
+
+        return torch_to_numpy(a)
+    if module.startswith("cupy"):
+        import cupy
+
+        return np.asarray(cupy.asnumpy(a))
+    return np.array(a, copy=True)
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Outcome:
+    """One checked case: what it was, whether it passed, and why not."""
+
+    stage: str
+    case: str
+    passed: bool | None  # None: skipped
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    stage: str
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def run(self, case: str, check: Callable[[], str | None]) -> None:
+        """Run ``check`` (returns a detail line or None); an exception is a failure, a
+        :class:`Skip` a skip."""
+        try:
+            detail = check() or ""
+            self.outcomes.append(Outcome(self.stage, case, True, detail))
+        except Skip as skip:
+            self.outcomes.append(Outcome(self.stage, case, None, str(skip)))
+        except Exception as error:  # a failing case is reported, and the stage goes on
+            lines = traceback.format_exception_only(type(error), error)
+            self.outcomes.append(Outcome(self.stage, case, False, "".join(lines).strip()))
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.passed is False]
+
+    def markdown(self, title: str, notes: list[str]) -> str:
+        passed = sum(o.passed is True for o in self.outcomes)
+        skipped = [o for o in self.outcomes if o.passed is None]
+        lines = [f"## {title}", "", *notes, ""]
+        lines.append(
+            f"{passed} passed, {len(self.failed)} failed, {len(skipped)} skipped "
+            f"of {len(self.outcomes)} cases."
+        )
+        for heading, group in (("Failures", self.failed), ("Skipped", skipped)):
+            if group:
+                lines += ["", f"### {heading}", "", "| case | detail |", "|---|---|"]
+                lines += [f"| `{o.case}` | {_cell(o.detail)} |" for o in group[:200]]
+        details = [o for o in self.outcomes if o.passed and o.detail]
+        if details:
+            lines += ["", "| case | result |", "|---|---|"]
+            lines += [f"| `{o.case}` | {_cell(o.detail)} |" for o in details]
+        return "\n".join(lines) + "\n"
+
+
+class Skip(Exception):
+    """A case that cannot run here (say, CuPy without bfloat16)."""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 1: correctness
+
+
+def _rows(rows: int, cols: int, dtype: str, seed: int) -> np.ndarray:
+    """Rows of different kinds: normal, 100 + 0.01 normal, constant, scaled, shifted."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, cols))
+    x[1 % rows] = 100 + 0.01 * rng.standard_normal(cols)
+    x[2 % rows] = 3.25
+    for r in range(3, rows):
+        x[r] = x[r] * 10.0 ** (r % 5 - 2) + (r - 5)
+    if dtype == "float16":
+        x = np.clip(x, -6e4, 6e4)
+    return x.astype(numpy_dtype(dtype))
+
+
+def _parameters(
+    cols: int, dtype: str, param: str | None, seed: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    if param is None:
+        return None, None
+    rng = np.random.default_rng(seed + 1)
+    w = (1 + 0.5 * rng.standard_normal(cols)).astype(numpy_dtype(param))
+    b = (0.5 * rng.standard_normal(cols)).astype(numpy_dtype(param))
+    return w, b
+
+
+def _compare(
+    got: tuple[Any, Any, Any],
+    x: np.ndarray,
+    w: np.ndarray | None,
+    b: np.ndarray | None,
+    dtype: str,
+) -> str:
+    """Assert y, mean and rstd are within the suite's tolerances of the float64 reference;
+    returns the worst error as a fraction of what is allowed."""
+    y, mean, rstd = (to_numpy(a) for a in got)
+    want_y, want_mean, want_rstd = reference.layer_norm(x, weight=w, bias=b, eps=EPS)
+    cond = conditioning(want_mean, want_rstd)
+    cols = x.shape[-1]
+    z = (reference.to_float64(x) - want_mean) * want_rstd
+    w64 = np.ones(cols) if w is None else reference.to_float64(w)
+    b64 = np.zeros(cols) if b is None else reference.to_float64(b)
+    scale = np.abs(w64) * (1 + np.abs(z)) + np.abs(b64)
+    assert_close(y, want_y, dtype, cond, what="y", cols=cols, scale=scale)
+    assert_close(mean, want_mean, dtype, cond, what="mean", cols=cols, scale=1 / want_rstd)
+    assert_close(rstd, want_rstd, dtype, cond, what="rstd", cols=cols, scale=want_rstd)
+    return ""
+
+
+def _every_kernel_cols() -> list[tuple[str, str, int]]:
+    """(dtype, parameter dtype, cols) that reach every specialisation: each rung full (16-byte
+    accesses) and one short of full (element accesses), and rows for the loop kernel."""
+    cases = []
+    for spec in cuda_launch.all_specialisations():
+        if not spec.vector:
+            continue
+        width = cuda_launch.vector_width(spec.dtype)
+        top = max(s.capacity or 0 for s in cuda_launch.program_of(spec))
+        full = spec.capacity if spec.capacity is not None else 4 * top + 8 * width
+        cases += [(spec.dtype, spec.param_dtype, full), (spec.dtype, spec.param_dtype, full - 1)]
+    return cases
+
+
+def correctness(dev: Device) -> Report:
+    report = Report("correctness")
+    cases = _every_kernel_cols()
+    if dev.dry:
+        cases = [c for c in cases if c[2] <= 300]
+    for family in dev.families:
+        backend = dev.backend(family)
+        for dtype, param, cols in cases:
+            name = f"{family} {dtype} weights {param} cols={cols}"
+            report.run(
+                name,
+                lambda f=family, d=dtype, p=param, c=cols, b=backend: _check_call(
+                    dev, f, b, d, p, c
+                ),
+            )
+        for dtype in DTYPES:
+            for cols in (17, 1000, 4096):
+                report.run(
+                    f"{family} {dtype} cols={cols} rows bitwise alone/aligned/unaligned",
+                    lambda f=family, d=dtype, c=cols, b=backend: _check_bitwise(dev, f, b, d, c),
+                )
+            report.run(
+                f"{family} {dtype} layouts, out=, in place",
+                lambda f=family, d=dtype, b=backend: _check_layouts(dev, f, b, d),
+            )
+            report.run(
+                f"{family} {dtype} NaN stays in its row",
+                lambda f=family, d=dtype, b=backend: _check_nan(dev, f, b, d),
+            )
+            if dtype in ("float16", "bfloat16"):
+                report.run(
+                    f"{family} {dtype} weight {dtype}, bias float32",
+                    lambda f=family, d=dtype, b=backend: _check_mixed(dev, f, b, d),
+                )
+    return report
+
+
+def _inputs(dev: Device, family: str, dtype: str, x: np.ndarray, *params: Any) -> list[Any]:
+    try:
+        return [None if a is None else dev.array(a, family) for a in (x, *params)]
+    except Exception as error:  # CuPy without ml_dtypes bfloat16, say
+        raise Skip(f"{family} cannot hold {dtype} arrays: {error}") from error
+
+
+def _check_call(dev: Device, family: str, backend: str, dtype: str, param: str, cols: int) -> None:
+    x = _rows(5, cols, dtype, seed=cols)
+    w, b = _parameters(cols, dtype, param, seed=cols)
+    xd, wd, bd = _inputs(dev, family, dtype, x, w, b)
+    got = normlab.layer_norm(xd, weight=wd, bias=bd, eps=EPS, return_stats=True, backend=backend)
+    _compare(got, x, w, b, dtype)
+
+
+def _check_bitwise(dev: Device, family: str, backend: str, dtype: str, cols: int) -> str:
+    """Each row's y is bitwise the same in the batch (16-byte accesses where cols allows), alone,
+    and alone one element past an aligned address (element accesses)."""
+    if dev.dry:
+        raise Skip("a property of the CUDA kernels; the CPU stand-ins are not held to it here")
+    x = _rows(9, cols, dtype, seed=7)
+    (xd,) = _inputs(dev, family, dtype, x)
+    batch = to_numpy(normlab.layer_norm(xd, eps=EPS, backend=backend))
+    shifted = np.zeros(cols + 1, dtype=x.dtype)
+    for r in range(x.shape[0]):
+        (alone,) = _inputs(dev, family, dtype, x[r : r + 1])
+        shifted[1:] = x[r]
+        (buffer,) = _inputs(dev, family, dtype, shifted)
+        unaligned = buffer[1:].reshape(1, cols)
+        for what, xr in (("alone", alone), ("unaligned", unaligned)):
+            yr = to_numpy(normlab.layer_norm(xr, eps=EPS, backend=backend))
+            if yr.tobytes() != batch[r : r + 1].tobytes():
+                raise AssertionError(f"row {r} {what} differs bitwise from the batch")
+    return ""
+
+
+def _check_layouts(dev: Device, family: str, backend: str, dtype: str) -> None:
+    cols, rows = 1000, 6
+    x = _rows(rows, cols, dtype, seed=3)
+    w, b = _parameters(cols, dtype, dtype, seed=3)
+    width = cuda_launch.vector_width(dtype)
+    wide = np.zeros((2 * rows, cols + width), dtype=x.dtype)
+    wide[::2, :cols] = x
+    xw, wd, bd = _inputs(dev, family, dtype, wide, w, b)
+    views = {"padded rows": xw[::2, :cols], "odd row stride": xw[::2, 1 : cols + 1]}
+    expected = {"padded rows": x, "odd row stride": wide[::2, 1 : cols + 1]}
+    if family != "torch":  # torch has no negative strides
+        views["reversed rows"] = xw[::-2, :cols]
+        expected["reversed rows"] = wide[::-2, :cols]
+    for what, view in views.items():
+        got = normlab.layer_norm(
+            view, weight=wd, bias=bd, eps=EPS, return_stats=True, backend=backend
+        )
+        try:
+            _compare(got, expected[what], w, b, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{what}: {error}") from None
+    (xd,) = _inputs(dev, family, dtype, x)
+    plain = to_numpy(normlab.layer_norm(xd, weight=wd, bias=bd, eps=EPS, backend=backend))
+    out = dev.array(np.zeros_like(x), family)
+    y = normlab.layer_norm(xd, weight=wd, bias=bd, eps=EPS, out=out, backend=backend)
+    assert y is out, "out= did not return out"
+    assert to_numpy(out).tobytes() == plain.tobytes(), "out= differs from a plain call"
+    normlab.layer_norm(xd, weight=wd, bias=bd, eps=EPS, out=xd, backend=backend)
+    assert to_numpy(xd).tobytes() == plain.tobytes(), "in place differs from a plain call"
+
+
+def _check_nan(dev: Device, family: str, backend: str, dtype: str) -> None:
+    x = _rows(5, 300, dtype, seed=5)
+    x[3, 17] = np.nan
+    (xd,) = _inputs(dev, family, dtype, x)
+    y = to_numpy(normlab.layer_norm(xd, eps=EPS, backend=backend)).astype(np.float64)
+    assert np.isnan(y[3]).all(), "the NaN row is not all NaN"
+    assert np.isfinite(np.delete(y, 3, axis=0)).all(), "a NaN left its row"
+
+
+def _check_mixed(dev: Device, family: str, backend: str, dtype: str) -> None:
+    cols = 4096
+    x = _rows(4, cols, dtype, seed=11)
+    w, _ = _parameters(cols, dtype, dtype, seed=11)
+    _, b = _parameters(cols, dtype, "float32", seed=11)
+    xd, wd, bd = _inputs(dev, family, dtype, x, w, b)
+    got = normlab.layer_norm(xd, weight=wd, bias=bd, eps=EPS, return_stats=True, backend=backend)
+    _compare(got, x, w, b, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 2: large cases, against a float64 reference computed on the device in chunks
+
+
+def large(dev: Device) -> Report:
+    report = Report("large")
+    cases: list[tuple[int, int, str]] = [(65537, 256, "float32")]
+    if dev.dry:
+        cases += [(3, 1000, "float16"), (2, 4097, "bfloat16")]
+    else:
+        cases.append(((1 << 31) // 4096 + 1, 4096, "float16"))  # 2^31 + 4096 elements
+    for cols in AWKWARD_COLS:
+        for dtype in DTYPES:
+            rows = max(1, min(4096, (1 << 22) // cols))
+            if not dev.dry or cols <= 4097:
+                cases.append((rows if not dev.dry else min(rows, 8), cols, dtype))
+    for rows, cols, dtype in cases:
+        report.run(
+            f"{rows} x {cols} {dtype} (torch tensors)",
+            lambda r=rows, c=cols, d=dtype: _check_large(dev, r, c, d),
+        )
+    return report
+
+
+def _chunks(rows: int, cols: int) -> Iterator[slice]:
+    step = max(1, (1 << 26) // cols)
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def _check_large(dev: Device, rows: int, cols: int, dtype: str) -> str:
+    """y and the statistics against a float64 reference on the device, chunk by chunk, with the
+    tolerance formula of :mod:`normlab.testing.tolerances`; returns the worst error / allowed."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    param = "float32" if dtype in ("float16", "bfloat16") else dtype
+    generator = torch.Generator(device=dev.torch_device()).manual_seed(rows * 31 + cols)
+    x = torch.randn(
+        (rows, cols), generator=generator, device=dev.torch_device(), dtype=torch.float32
+    ).to(torch_dtype)
+    x[::7] += 100  # large offsets in every seventh row
+    w = 1 + 0.5 * torch.randn(cols, generator=generator, device=x.device).to(getattr(torch, param))
+    b = 0.5 * torch.randn(cols, generator=generator, device=x.device).to(getattr(torch, param))
+    y, mean, rstd = normlab.layer_norm(
+        x, weight=w, bias=b, eps=EPS, return_stats=True, backend=dev.backend("torch")
+    )
+    dev.synchronize()
+    tol, stats_tol = TOLERANCES[dtype], TOLERANCES["float64" if dtype == "float64" else "float32"]
+    growth = math.log2(cols)
+    w64, b64 = w.double(), b.double()
+    worst = {"y": 0.0, "mean": 0.0, "rstd": 0.0}
+    for part in _chunks(rows, cols):
+        xd = x[part].double()
+        x0 = xd[:, :1]
+        ref_mean = x0 + (xd - x0).mean(dim=1, keepdim=True)
+        centred = xd - ref_mean
+        ref_rstd = torch.rsqrt((centred * centred).mean(dim=1, keepdim=True) + EPS)
+        z = centred * ref_rstd
+        ref_y = z * w64 + b64
+        cond = 1 + ref_mean.abs() * ref_rstd
+        compute = tol.compute * (cond + growth)
+        allowed_y = (
+            compute * (w64.abs() * (1 + z.abs()) + b64.abs())
+            + tol.rounding * ref_y.abs()
+            + tol.floor
+        )
+        ratios = {
+            "y": (y[part].double() - ref_y).abs() / allowed_y,
+            "mean": (mean[part].double() - ref_mean).abs()
+            / (compute / ref_rstd + stats_tol.rounding * ref_mean.abs() + stats_tol.floor),
+            "rstd": (rstd[part].double() - ref_rstd).abs()
+            / (compute * ref_rstd + stats_tol.rounding * ref_rstd + stats_tol.floor),
+        }
+        for what, ratio in ratios.items():
+            if not bool(torch.isfinite(ratio).all()):
+                raise AssertionError(f"{what}: non-finite values in rows {part.start}..")
+            worst[what] = max(worst[what], float(ratio.max()))
+    if max(worst.values()) > 1:
+        raise AssertionError(f"error / allowed: {worst}")
+    return ", ".join(f"{k} {v:.2g}" for k, v in worst.items()) + " of the allowed error"
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 3: the benchmark table
+
+
+@dataclass(frozen=True)
+class Timing:
+    dtype: str
+    rows: int
+    hidden: int
+    seconds: dict[str, float]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of x read plus y written."""
+        return 2 * self.rows * self.hidden * numpy_dtype(self.dtype).itemsize
+
+    def gbps(self, what: str) -> float:
+        return self.bytes / self.seconds[what] / 1e9
+
+
+def bench(dev: Device) -> tuple[list[Timing], Report]:
+    import torch
+
+    report = Report("bench")
+    timings = []
+    hidden_sizes = BENCH_HIDDEN if not dev.dry else (256, 1024)
+    rows_list = BENCH_ROWS if not dev.dry else (64,)
+    for dtype in BENCH_DTYPES:
+        for rows in rows_list:
+            for hidden in hidden_sizes:
+                torch_dtype = getattr(torch, dtype)
+                x = torch.randn((rows, hidden), device=dev.torch_device()).to(torch_dtype)
+                w = torch.randn(hidden, device=x.device).to(torch_dtype)
+                b = torch.randn(hidden, device=x.device).to(torch_dtype)
+                y = torch.empty_like(x)
+                backend = dev.backend("torch")
+                calls = {
+                    "normlab": lambda x=x, w=w, b=b, be=backend: normlab.layer_norm(
+                        x, weight=w, bias=b, eps=EPS, backend=be
+                    ),
+                    "torch": lambda x=x, w=w, b=b, h=hidden: torch.nn.functional.layer_norm(
+                        x, (h,), w, b, EPS
+                    ),
+                    "copy": lambda x=x, y=y: y.copy_(x),
+                }
+                seconds = {k: dev.median_seconds(c, 5 if dev.dry else 20) for k, c in calls.items()}
+                timings.append(Timing(dtype, rows, hidden, seconds))
+    for t in timings:
+        if (t.rows, t.hidden) in TARGETS:
+            copy_ratio = t.gbps("normlab") / t.gbps("copy")
+            torch_ratio = t.gbps("normlab") / t.gbps("torch")
+            met = copy_ratio >= COPY_TARGET and torch_ratio >= TORCH_TARGET
+            report.outcomes.append(
+                Outcome(
+                    "bench",
+                    f"{t.dtype} {t.rows}x{t.hidden}",
+                    met,
+                    f"{copy_ratio:.0%} of copy (target {COPY_TARGET:.0%}), "
+                    f"{torch_ratio:.2f}x torch (target {TORCH_TARGET}x)",
+                )
+            )
+    return timings, report
+
+
+def bench_table(timings: list[Timing]) -> str:
+    lines = [
+        "| dtype | rows × hidden | MB moved | normlab cupy GB/s | torch GB/s | copy GB/s "
+        "| cupy / copy | cupy / torch |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
+    ]
+    for t in timings:
+        mark = " **(target)**" if (t.rows, t.hidden) in TARGETS else ""
+        lines.append(
+            f"| {t.dtype} | {t.rows} × {t.hidden}{mark} | {t.bytes / 1e6:.0f} "
+            f"| {t.gbps('normlab'):.0f} | {t.gbps('torch'):.0f} | {t.gbps('copy'):.0f} "
+            f"| {t.gbps('normlab') / t.gbps('copy'):.0%} "
+            f"| {t.gbps('normlab') / t.gbps('torch'):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _environment(dev: Device) -> list[str]:
+    import torch
+
+    notes = [f"- normlab {normlab.__version__}, numpy {np.__version__}, torch {torch.__version__}"]
+    if dev.dry:
+        notes.append("- **dry run**: CPU stand-ins (numpy/torch backends), small shapes")
+    else:
+        import cupy
+
+        props = torch.cuda.get_device_properties(0)
+        notes.append(
+            f"- cupy {cupy.__version__}; device {props.name}, "
+            f"compute capability {props.major}.{props.minor}"
+        )
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("stage", choices=("correctness", "large", "bench"))
+    parser.add_argument("--out", type=Path, default=Path("gpu-results"))
+    parser.add_argument("--dry-run", action="store_true", help="no GPU: CPU stand-ins")
+    args = parser.parse_args(argv)
+    dev = Device(dry=args.dry_run)
+    args.out.mkdir(parents=True, exist_ok=True)
+    notes = _environment(dev)
+    start = time.perf_counter()
+    if args.stage == "bench":
+        timings, report = bench(dev)
+        method = (
+            "GB/s = bytes of x read + y written / median time of 20 calls (CUDA events, L2 "
+            "flushed before each). normlab: `normlab.layer_norm(x, weight=w, bias=b, "
+            "backend='cupy')` on CUDA tensors; torch: `torch.nn.functional.layer_norm`; "
+            "copy: `y.copy_(x)`. Targets: ≥ 85% of copy and ≥ 1.2× torch."
+        )
+        text = report.markdown("Benchmark", [*notes, "", method, "", bench_table(timings)])
+        failed = False  # a benchmark is not a test
+    else:
+        report = correctness(dev) if args.stage == "correctness" else large(dev)
+        text = report.markdown(args.stage.capitalize(), notes)
+        failed = bool(report.failed)
+    text += f"\n_{time.perf_counter() - start:.1f} s_\n"
+    (args.out / f"{args.stage}.md").write_text(text)
+    print(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

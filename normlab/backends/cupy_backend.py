@@ -1,0 +1,218 @@
+"""The CuPy backend: the raw CUDA kernels of ``kernels/layer_norm.cu``, compiled with NVRTC.
+
+Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
+read and written in place through their raw pointers on torch's current stream, and the result
+is a tensor. The kernel for a row length is chosen by :mod:`~normlab.backends.cuda_launch`,
+compiled for the device's architecture by :mod:`~normlab.backends.cuda_compile` on first use
+(cubins are cached on disk) and kept per (device, specialisation). Nothing here imports CuPy
+before it is called, and :func:`device_problem` never raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+
+from normlab.backends.cuda_compile import compile_kernels, nvrtc_problem, target_for
+from normlab.backends.cuda_launch import Specialisation, plan_launch, program_of
+from normlab.spec import Plan
+
+__all__ = ["device_problem", "from_numpy", "layer_norm", "to_numpy"]
+
+_STATS: Final = {"float32": np.float32, "float64": np.float64}
+_functions: dict[tuple[int, Specialisation], Any] = {}
+
+
+def device_problem() -> str | None:
+    """Why this backend cannot run here (``"no CUDA device (...)"``), or ``None`` when it can."""
+    try:
+        import cupy
+    except Exception as error:  # a broken install must not break normlab
+        return f"cupy cannot be imported ({type(error).__name__}: {error})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, an old driver, or no device
+        return f"no CUDA device ({error})"
+    if count == 0:
+        return "no CUDA device"
+    return nvrtc_problem()
+
+
+def _function(device: int, spec: Specialisation) -> Any:
+    """The loaded kernel ``spec`` on ``device``. On first use its whole NVRTC program (see
+    :func:`~normlab.backends.cuda_launch.program_of`) is compiled, or read from the disk cache,
+    and loaded."""
+    function = _functions.get((device, spec))
+    if function is None:
+        import cupy
+
+        with cupy.cuda.Device(device) as dev:
+            program = program_of(spec)
+            compiled = compile_kernels(program, target_for(int(dev.compute_capability)))
+            module = cupy.cuda.function.Module()
+            module.load(compiled.image)
+            for s in program:
+                _functions[device, s] = module.get_function(compiled.functions[s.name])
+        function = _functions[device, spec]
+    return function
+
+
+class _Cupy:
+    """CuPy arrays: byte addresses, element strides, allocation on x's device."""
+
+    @staticmethod
+    def address(a: Any) -> int:
+        return int(a.data.ptr)
+
+    @staticmethod
+    def row_stride(a: Any) -> int:
+        return int(a.strides[0]) // int(a.dtype.itemsize)
+
+    @staticmethod
+    def device(a: Any) -> int:
+        return int(a.device.id)
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(like.device.id):
+            return cupy.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def to_float32(a: Any) -> Any:
+        return a.astype(np.float32)
+
+    @staticmethod
+    def contiguous(a: Any) -> Any:
+        import cupy
+
+        return cupy.ascontiguousarray(a)
+
+    @staticmethod
+    def stats_dtype(name: str) -> Any:
+        return _STATS[name]
+
+    @staticmethod
+    def stream(a: Any) -> Any:
+        return None  # CuPy's current stream
+
+
+class _Torch:
+    """CUDA torch tensors, through raw pointers on torch's current stream."""
+
+    @staticmethod
+    def address(a: Any) -> int:
+        return int(a.data_ptr())
+
+    @staticmethod
+    def row_stride(a: Any) -> int:
+        return int(a.stride(0))
+
+    @staticmethod
+    def device(a: Any) -> int:
+        return int(a.device.index)
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: Any, like: Any) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=dtype, device=like.device)
+
+    @staticmethod
+    def to_float32(a: Any) -> Any:
+        return a.float()
+
+    @staticmethod
+    def contiguous(a: Any) -> Any:
+        return a.contiguous()
+
+    @staticmethod
+    def stats_dtype(name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def stream(a: Any) -> Any:
+        import cupy
+        import torch
+
+        current = torch.cuda.current_stream(a.device)
+        if hasattr(current, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+            return cupy.cuda.Stream.from_external(current)  # CuPy 14 and torch 2.6 or newer
+        return cupy.cuda.ExternalStream(current.cuda_stream, a.device.index)
+
+
+def layer_norm(
+    x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any
+) -> tuple[Any, Any | None, Any | None]:
+    """Normalize each row of the 2-D ``x`` (unit column stride, any row stride; a CuPy array or,
+    named explicitly, a CUDA torch tensor); see :mod:`normlab.hookspecs`. ``out`` may be ``x``.
+    Weight and bias of different dtypes are both read as float32."""
+    import cupy
+
+    arrays = _Torch if plan.family == "torch" else _Cupy
+    rows, cols = plan.rows, plan.cols
+    w, b, param_dtype = _parameters(arrays, weight, bias, plan)
+    y = out if out is not None else arrays.empty((rows, cols), x.dtype, x)
+    mean = rstd = None
+    if plan.return_stats:
+        stats = arrays.stats_dtype(plan.stats_dtype)
+        mean, rstd = arrays.empty((rows,), stats, x), arrays.empty((rows,), stats, x)
+    x_at, y_at, w_at, b_at, mean_at, rstd_at = (
+        0 if a is None else arrays.address(a) for a in (x, y, w, b, mean, rstd)
+    )
+    x_stride, y_stride = arrays.row_stride(x), arrays.row_stride(y)
+    launch = plan_launch(
+        cols, plan.dtype, param_dtype, [x_at, y_at, w_at, b_at], [x_stride, y_stride]
+    )
+    device = arrays.device(x)
+    function = _function(device, launch.specialisation)
+    pointers = (np.uint64(a) for a in (x_at, w_at, b_at, y_at, mean_at, rstd_at))
+    sizes = (np.int64(n) for n in (rows, cols, x_stride, y_stride))
+    args = (*pointers, *sizes, _STATS[plan.stats_dtype](plan.eps))  # the kernels' argument order
+    with cupy.cuda.Device(device):
+        function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
+    return y, mean, rstd
+
+
+def _parameters(arrays: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, Any, str | None]:
+    """Contiguous weight and bias of one dtype (float32 when theirs differ), and that dtype."""
+    if weight is not None and bias is not None and plan.weight_dtype != plan.bias_dtype:
+        weight, bias = (
+            p if dtype == "float32" else arrays.to_float32(p)
+            for p, dtype in ((weight, plan.weight_dtype), (bias, plan.bias_dtype))
+        )
+        param_dtype: str | None = "float32"
+    else:
+        param_dtype = plan.weight_dtype or plan.bias_dtype
+    weight, bias = (None if p is None else arrays.contiguous(p) for p in (weight, bias))
+    return weight, bias, param_dtype
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A NumPy copy of a CuPy array (or of a CUDA torch tensor; bfloat16 via ml_dtypes)."""
+    if type(a).__module__.startswith("torch"):
+        from normlab.backends.torch_backend import to_numpy as torch_to_numpy
+
+        return torch_to_numpy(a)
+    import cupy
+
+    return np.asarray(cupy.asnumpy(a))
+
+
+def from_numpy(a: np.ndarray, like: Any = None) -> Any:
+    """A CuPy copy of ``a`` on ``like``'s device (CuPy array or torch tensor), else the current
+    device. bfloat16 needs a CuPy with ml_dtypes support (CuPy 14)."""
+    import cupy
+
+    if like is None:
+        device = cupy.cuda.runtime.getDevice()
+    elif type(like).__module__.startswith("torch"):
+        device = like.device.index
+    else:
+        device = like.device.id
+    with cupy.cuda.Device(device):
+        return cupy.array(np.ascontiguousarray(a), copy=True)

@@ -1,0 +1,347 @@
+// LayerNorm forward over the rows of a 2-D array (unit column stride, any signed row stride).
+//
+//   x0   = x[0]                          the row's first element (the shift)
+//   d    = x - x0                        in the accumulation type A
+//   mean = x0 + mean(d)
+//   var  = mean((d - mean(d))^2)         population variance (ddof = 0), exact two-pass per
+//                                        thread, merged across threads with chan_combine
+//   rstd = 1 / sqrt(var + eps)           eps added in A; quotient() and inverse_sqrt()
+//                                        (reduce.cuh) within an ulp of IEEE / and sqrt
+//   y    = (d - mean(d)) * rstd * w + b  w = 1 without weight, b = 0 without bias; rounded once
+//
+// A is float for float, half and bfloat16 and double for double; mean and rstd are written
+// in A. A row is cut into chunks of VEC = 16 / sizeof(T) elements; chunk c of a row goes
+// to thread c % THREADS of the row's thread group, as its chunk number c / THREADS. The
+// assignment and the arithmetic do not depend on VECTOR (16-byte loads and stores, or one
+// element at a time), so a row's result depends only on its length and dtype: bitwise the same
+// alone, in a batch, aligned or not. X and Y may be the same memory (in place): each element is
+// written by the thread that read it, after reading it; x[0], which every thread of the row
+// reads, is read before the row's reduction and written after it. W and B never alias Y.
+//
+// Two kernels, both templates over the element type T and the parameter type P (T, or float when
+// T is a half type):
+//   layer_norm_rows  THREADS threads per row (a warp, with several rows per block, up to a block
+//                    per row); each thread keeps ITEMS chunks of the row in registers, so x is
+//                    read from memory exactly once.
+//   layer_norm_loop  one block of LOOP_THREADS per row, for rows beyond register capacity: a
+//                    sweep that merges moments chunk group by chunk group, then a second sweep,
+//                    last chunk group first (most likely still in L2), that writes y.
+#include "reduce.cuh"
+
+namespace normlab {
+
+// The two 16-bit float formats, as storage only (the kernels compute in float). Defined here
+// rather than taken from cuda_fp16.h / cuda_bf16.h, which NVRTC does not ship.
+struct half {  // IEEE 754 binary16
+  unsigned short bits;
+};
+struct bfloat16 {  // bfloat16: the upper 16 bits of a float32
+  unsigned short bits;
+};
+
+// Accumulation type of element type T.
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(half v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float to_acc(bfloat16 v) {
+  return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+
+// Rounds an accumulator value to T, to nearest even.
+template <typename T>
+__device__ __forceinline__ T from_acc(typename Accumulator<T>::type v);
+template <>
+__device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <>
+__device__ __forceinline__ half from_acc<half>(float v) {
+  half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+  return h;
+}
+template <>
+__device__ __forceinline__ bfloat16 from_acc<bfloat16>(float v) {
+  bfloat16 h;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(v));
+#else
+  const unsigned u = __float_as_uint(v);
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  const unsigned rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // to nearest even
+  h.bits = static_cast<unsigned short>(nan ? (u >> 16) | 0x40u : rounded);  // NaN stays quiet
+#endif
+  return h;
+}
+
+// How many of the VEC columns [c, c + VEC) lie below cols: 0 ... VEC.
+template <int VEC>
+__device__ __forceinline__ int chunk_count(long long c, long long cols) {
+  const long long left = cols - c;
+  return left <= 0 ? 0 : left >= VEC ? VEC : static_cast<int>(left);
+}
+
+// VEC elements of type E, seen as WORDS 16-byte words for loads and stores (VEC * sizeof(E) is
+// a multiple of 16). Reading the member not last written is the usual CUDA idiom for reusing
+// the bits of a vector access; nvcc and NVRTC define it.
+template <typename E, int VEC>
+union Chunk {
+  static constexpr int WORDS = VEC * static_cast<int>(sizeof(E)) / 16;
+  E v[VEC];
+  uint4 w[WORDS];
+};
+
+// Reads the first n of the VEC elements Row[c, c + VEC) into V, the rest as `fill`.
+// VECTOR: Row + c is 16-byte aligned and n is 0 or VEC (the planner guarantees both), so the
+// chunk is read with 16-byte loads.
+template <bool VECTOR, int VEC, typename E, typename A>
+__device__ __forceinline__ void load_chunk(const E* Row, long long c, int n, A fill, A (&V)[VEC]) {
+  if constexpr (VECTOR) {
+    using C = Chunk<E, VEC>;
+    C raw;
+#pragma unroll
+    for (int k = 0; k < C::WORDS; ++k) {
+      raw.w[k] = n > 0 ? reinterpret_cast<const uint4*>(Row + c)[k] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      V[k] = n > 0 ? to_acc(raw.v[k]) : fill;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      V[k] = k < n ? to_acc(Row[c + k]) : fill;
+    }
+  }
+}
+
+// Writes the first n of the VEC values V, rounded to T, to Row[c, c + VEC); VECTOR as for
+// load_chunk.
+template <bool VECTOR, int VEC, typename T, typename A>
+__device__ __forceinline__ void store_chunk(T* Row, long long c, int n, const A (&V)[VEC]) {
+  if constexpr (VECTOR) {
+    using C = Chunk<T, VEC>;
+    if (n > 0) {
+      C raw;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        raw.v[k] = from_acc<T>(V[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < C::WORDS; ++k) {
+        __stwb(reinterpret_cast<uint4*>(Row + c) + k, raw.w[k]);  // never split into scalars
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      if (k < n) {
+        Row[c + k] = from_acc<T>(V[k]);
+      }
+    }
+  }
+}
+
+// Loads one thread's ITEMS chunks of a row (chunk i at column first + i * step; `cols` columns
+// in all) into D, shifted: D = x - x0 (0 for columns past the row), and the number of columns
+// of each chunk inside the row into N.
+template <bool VECTOR, int ITEMS, int VEC, typename T, typename A>
+__device__ __forceinline__ void load_shifted(
+    const T* Row, long long first, long long step, long long cols, A x0, A (&D)[ITEMS][VEC],
+    int (&N)[ITEMS]) {
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    N[i] = chunk_count<VEC>(first + i * step, cols);
+    load_chunk<VECTOR>(Row, first + i * step, N[i], x0, D[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      D[i][k] -= x0;
+    }
+  }
+}
+
+// Exact moments of the first N[i] values of each chunk D[i] (a plain two-pass over registers:
+// the mean, then the sum of squared deviations from it).
+template <int ITEMS, int VEC, typename A>
+__device__ __forceinline__ Moments<A> thread_moments(const A (&D)[ITEMS][VEC],
+                                                     const int (&N)[ITEMS]) {
+  A sum = A(0);
+  int count = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    count += N[i];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      sum += k < N[i] ? D[i][k] : A(0);
+    }
+  }
+  const A n = static_cast<A>(count);
+  const A mean = count > 0 ? quotient(sum, n) : A(0);
+  A m2 = A(0);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const A e = D[i][k] - mean;
+      m2 += k < N[i] ? e * e : A(0);
+    }
+  }
+  return Moments<A>{n, mean, m2};
+}
+
+// Writes y = (d - mean_d) * rstd * w + b for one thread's chunks D (as loaded by load_shifted)
+// to the row Y; w = 1 when W is nullptr, b = 0 when B is nullptr.
+template <bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
+__device__ __forceinline__ void write_chunks(
+    T* Y, const P* __restrict__ W, const P* __restrict__ B, const A (&D)[ITEMS][VEC],
+    const int (&N)[ITEMS], long long first, long long step, A mean_d, A rstd) {
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const long long c = first + i * step;
+    A w[VEC];
+    A b[VEC];
+    load_chunk<VECTOR>(W, c, W != nullptr ? N[i] : 0, A(1), w);
+    load_chunk<VECTOR>(B, c, B != nullptr ? N[i] : 0, A(0), b);
+    A y[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      y[k] = (D[i][k] - mean_d) * rstd * w[k] + b[k];
+    }
+    store_chunk<VECTOR>(Y, c, N[i], y);
+  }
+}
+
+// Threads per block of layer_norm_rows (at least 128, so short rows share a block), and the
+// blocks per SM asked of ptxas: 512 threads, so up to 128 registers per thread. Stating it keeps
+// ptxas from trading a few spills for occupancy on its own.
+template <int THREADS>
+struct RowsBlock {
+  static constexpr int threads = THREADS < 128 ? 128 : THREADS;
+  static constexpr int min_blocks = 512 / threads;
+};
+
+// One row per group of THREADS threads (32 ... 1024), RowsBlock<THREADS>::threads / THREADS
+// rows per block, each thread holding ITEMS chunks of its row in registers. Handles rows with
+// cols <= THREADS * ITEMS * VEC. Grid: any size; blocks stride over the row groups.
+template <typename T, typename P, int THREADS, int ITEMS, bool VECTOR>
+__global__ void __launch_bounds__(RowsBlock<THREADS>::threads, RowsBlock<THREADS>::min_blocks)
+layer_norm_rows(
+    const T* X,                                // x: row r at X + r * x_row_stride
+    const P* __restrict__ W,                   // weight, (cols,), or nullptr (all ones)
+    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros)
+    T* Y,                                      // y: row r at Y + r * y_row_stride; may be X
+    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr
+    typename Accumulator<T>::type* Rstd,       // (rows,) 1 / sqrt(var + eps), or nullptr
+    long long rows,                            // number of rows (>= 1)
+    long long cols,                            // row length (>= 1)
+    long long x_row_stride,                    // elements between rows of x (any sign)
+    long long y_row_stride,                    // elements between rows of y (any sign)
+    typename Accumulator<T>::type eps) {       // added to var before the square root
+  using A = typename Accumulator<T>::type;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  constexpr int ROWS_PER_BLOCK = RowsBlock<THREADS>::threads / THREADS;
+  constexpr int WARPS = THREADS / 32;
+  __shared__ Moments<A> partial[ROWS_PER_BLOCK][WARPS];
+  const int sub = static_cast<int>(threadIdx.x) / THREADS;  // row within the block
+  const int t = static_cast<int>(threadIdx.x) % THREADS;    // thread within the row
+  const long long first = static_cast<long long>(t) * VEC;  // first column of chunk 0
+  constexpr long long STEP = static_cast<long long>(THREADS) * VEC;
+  const long long groups = (rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+  for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
+    const long long row = g * ROWS_PER_BLOCK + sub;
+    const bool live = row < rows;
+    const long long r = live ? row : 0;
+    const T* x = X + r * x_row_stride;
+    const A x0 = live ? to_acc(x[0]) : A(0);
+    A d[ITEMS][VEC];
+    int n[ITEMS];
+    load_shifted<VECTOR>(x, first, STEP, live ? cols : 0, x0, d, n);
+    const Moments<A> m = row_combine<WARPS>(thread_moments(d, n), partial[sub], t / 32);
+    if (!live) {
+      continue;
+    }
+    const A rstd = inverse_sqrt(quotient(m.m2, m.n) + eps);
+    if (t == 0 && Mean != nullptr) {
+      Mean[row] = x0 + m.mean;
+    }
+    if (t == 0 && Rstd != nullptr) {
+      Rstd[row] = rstd;
+    }
+    write_chunks<VECTOR>(Y + row * y_row_stride, W, B, d, n, first, STEP, m.mean, rstd);
+  }
+}
+
+// Threads per row and chunks per thread per step of layer_norm_loop.
+constexpr int LOOP_THREADS = 512;
+constexpr int LOOP_ITEMS = 4;
+
+// One row per block of LOOP_THREADS threads, any row length: moments merged over steps of
+// LOOP_THREADS * LOOP_ITEMS chunks, then y written in a second sweep (last step first) that
+// re-reads x. Arguments as for layer_norm_rows. Grid: any size; blocks stride over the rows.
+template <typename T, typename P, bool VECTOR>
+__global__ void __launch_bounds__(LOOP_THREADS, 1) layer_norm_loop(
+    const T* X,                                // x: row r at X + r * x_row_stride
+    const P* __restrict__ W,                   // weight, (cols,), or nullptr (all ones)
+    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros)
+    T* Y,                                      // y: row r at Y + r * y_row_stride; may be X
+    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr
+    typename Accumulator<T>::type* Rstd,       // (rows,) 1 / sqrt(var + eps), or nullptr
+    long long rows,                            // number of rows (>= 1)
+    long long cols,                            // row length (>= 1)
+    long long x_row_stride,                    // elements between rows of x (any sign)
+    long long y_row_stride,                    // elements between rows of y (any sign)
+    typename Accumulator<T>::type eps) {       // added to var before the square root
+  using A = typename Accumulator<T>::type;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));
+  constexpr int WARPS = LOOP_THREADS / 32;
+  constexpr long long STEP = static_cast<long long>(LOOP_THREADS) * VEC;
+  constexpr long long SWEEP = STEP * LOOP_ITEMS;  // columns per step
+  __shared__ Moments<A> partial[WARPS];
+  const int t = static_cast<int>(threadIdx.x);
+  const long long first = static_cast<long long>(t) * VEC;
+  const long long last = (cols - 1) / SWEEP * SWEEP;  // first column of the last step
+  for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* x = X + row * x_row_stride;
+    const A x0 = to_acc(x[0]);
+    Moments<A> m = {A(0), A(0), A(0)};
+    for (long long base = 0; base < cols; base += SWEEP) {
+      A d[LOOP_ITEMS][VEC];
+      int n[LOOP_ITEMS];
+      load_shifted<VECTOR>(x, base + first, STEP, cols, x0, d, n);
+      m = chan_combine(m, thread_moments(d, n));
+    }
+    m = row_combine<WARPS>(m, partial, t / 32);
+    const A rstd = inverse_sqrt(quotient(m.m2, m.n) + eps);
+    if (t == 0 && Mean != nullptr) {
+      Mean[row] = x0 + m.mean;
+    }
+    if (t == 0 && Rstd != nullptr) {
+      Rstd[row] = rstd;
+    }
+    T* y = Y + row * y_row_stride;
+    for (long long base = last; base >= 0; base -= SWEEP) {
+      A d[LOOP_ITEMS][VEC];
+      int n[LOOP_ITEMS];
+      load_shifted<VECTOR>(x, base + first, STEP, cols, x0, d, n);
+      write_chunks<VECTOR>(y, W, B, d, n, base + first, STEP, m.mean, rstd);
+    }
+  }
+}
+
+}  // namespace normlab

@@ -1,0 +1,126 @@
+// Moments of a set of values and the Chan et al. rule that merges two of them.
+//
+// Every normlab kernel reduces a row the same way: each thread computes the exact moments of the
+// values it holds (two passes over its registers: mean, then the sum of squared deviations), then
+// the threads of a row merge those moments pairwise with chan_combine, first across the lanes of
+// a warp (warp_combine), then across the warps of a row (row_combine). The merge order is fixed
+// by lane and warp index, so every thread ends with bitwise the same row moments and the result
+// depends only on the row length, never on other rows.
+#pragma once
+
+namespace normlab {
+
+// Division and inverse square root without IEEE slow paths. The IEEE operators (/, sqrt) call a
+// subroutine for rare operands; around that call ptxas saves the row held in registers to the
+// stack, which shows as spills in the resource report. These are Newton-refined hardware
+// approximations instead: within an ulp or so of the IEEE result and, like all the arithmetic
+// here, deterministic.
+
+// a / b for a count b >= 1 (any a).
+__device__ __forceinline__ float quotient(float a, float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = fmaf(fmaf(-b, r, 1.0f), r, r);
+  const float q = a * r;
+  return fmaf(fmaf(-b, q, a), r, q);
+}
+__device__ __forceinline__ double quotient(double a, double b) {
+  double r;
+  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(b));
+  r = fma(fma(-b, r, 1.0), r, r);
+  r = fma(fma(-b, r, 1.0), r, r);
+  const double q = a * r;
+  return fma(fma(-b, q, a), r, q);
+}
+
+// One Newton step r <- r + r * (1 - v r^2) / 2 towards 1 / sqrt(v).
+template <typename A>
+__device__ __forceinline__ A newton_rsqrt(A v, A r) {
+  const A e = fma(-v * r, r, A(1));
+  return fma(A(0.5) * r, e, r);
+}
+
+// 1 / sqrt(v) for v >= 0 (inf for 0, 0 for inf, NaN for NaN).
+__device__ __forceinline__ float inverse_sqrt(float v) {
+  float r;
+  asm("rsqrt.approx.f32 %0, %1;" : "=f"(r) : "f"(v));  // handles subnormal v
+  return v > 0.0f && v < __int_as_float(0x7f800000) ? newton_rsqrt(v, r) : r;
+}
+__device__ __forceinline__ double inverse_sqrt(double v) {
+  // The f64 approximation flushes subnormals: scale them up by 2^108 (and the result by 2^54).
+  const bool tiny = v < 2.2250738585072014e-308;
+  const double s = tiny ? v * 0x1p108 : v;
+  double r;
+  asm("rsqrt.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(s));
+  if (s > 0.0 && s < __longlong_as_double(0x7ff0000000000000ll)) {
+    r = newton_rsqrt(s, newton_rsqrt(s, newton_rsqrt(s, r)));
+  }
+  return tiny ? r * 0x1p54 : r;
+}
+
+// Count, mean and M2 = sum of (v - mean)^2 of a set of values. The empty set is {0, 0, 0}.
+template <typename A>
+struct Moments {
+  A n;
+  A mean;
+  A m2;
+};
+
+// The moments of the union of two disjoint sets (Chan, Golub & LeVeque 1979):
+//   n = na + nb,  delta = mean_b - mean_a,
+//   mean = mean_a + delta * nb / n,  M2 = M2a + M2b + delta^2 * na * nb / n.
+// Exact when either side is empty: combine(a, {}) == a and combine({}, b) == b bitwise.
+template <typename A>
+__device__ __forceinline__ Moments<A> chan_combine(const Moments<A>& a, const Moments<A>& b) {
+  const A n = a.n + b.n;
+  const A wb = a.n == A(0) ? A(1) : quotient(b.n, n);  // weight of b: 1 when a is empty
+  const A delta = b.mean - a.mean;
+  Moments<A> r;
+  r.n = n;
+  r.mean = a.mean + delta * wb;
+  r.m2 = a.m2 + b.m2 + delta * delta * a.n * wb;
+  return r;
+}
+
+// Merges the moments of the 32 lanes of a warp (a butterfly over lane-index bits). At each step
+// the lower lane group's moments are the first argument of chan_combine on both partners, so
+// every lane computes the same operations in the same order and ends with the same bits.
+template <typename A>
+__device__ __forceinline__ Moments<A> warp_combine(Moments<A> m) {
+  const unsigned lane = threadIdx.x & 31u;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    Moments<A> other;
+    other.n = __shfl_xor_sync(0xffffffffu, m.n, offset);
+    other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
+    other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
+    m = (lane & offset) ? chan_combine(other, m) : chan_combine(m, other);
+  }
+  return m;
+}
+
+// Merges the moments of the WARPS warps that share one row. Partial: shared memory of WARPS
+// entries for this row; warp: the caller's warp index within the row. Every warp of the row
+// merges all partials in the same order, so all threads of the row end with the same bits.
+// When WARPS > 1 it holds two __syncthreads(): every thread of the block must call it, equally
+// often; Partial may be reused as soon as it returns.
+template <int WARPS, typename A>
+__device__ __forceinline__ Moments<A> row_combine(Moments<A> m, Moments<A>* Partial, int warp) {
+  m = warp_combine(m);
+  if (WARPS == 1) {
+    return m;
+  }
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  if (lane == 0) {
+    Partial[warp] = m;
+  }
+  __syncthreads();
+  Moments<A> mine = {A(0), A(0), A(0)};
+  if (lane < WARPS) {
+    mine = Partial[lane];
+  }
+  __syncthreads();
+  return warp_combine(mine);
+}
+
+}  // namespace normlab

@@ -1,0 +1,446 @@
+"""The CUDA kernels without a GPU: NVRTC compiles every specialisation for sm_80 and sm_90 with no
+spills; the launch planner; the ptxas report parser; a NumPy model of the kernels' arithmetic
+(chunk assignment, per-thread moments, Chan merges in the kernels' order); the launch from Python
+against a fake CuPy; and the cupy backend reporting, on a machine without a CUDA device, that it is
+unavailable and why."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from normlab import reference, registry, spec
+from normlab.backends import cuda_compile, cuda_launch
+from normlab.backends.cuda_launch import (
+    MAX_GRID,
+    Specialisation,
+    all_specialisations,
+    plan_launch,
+    vector_width,
+)
+from normlab.spec import FLOAT_DTYPES
+
+ARCHS = ("sm_80", "sm_90")
+AWKWARD_COLS = (1, 3, 17, 127, 1000, 4097, 65536, 262144)
+ALIGNED = [0x7F0000000000, 0x7F0000100000, None, None]  # x, out, weight, bias
+
+
+def _nvrtc_or_skip() -> None:
+    problem = cuda_compile.nvrtc_problem()
+    if problem is not None:
+        pytest.skip(f"NVRTC is unavailable: {problem}")
+
+
+@pytest.fixture(scope="module")
+def cubin_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Cubins persist in pytest's cache between sessions (a temporary folder without one)."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return tmp_path_factory.mktemp("cubins")
+    return Path(cache.mkdir("normlab-cubins"))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reports(request: pytest.FixtureRequest, cubin_cache: Path) -> list[cuda_compile.KernelReport]:
+    _nvrtc_or_skip()
+    return cuda_compile.compile_all(request.param, cache_dir=cubin_cache)
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation
+
+
+def test_every_specialisation_compiles(reports: list[cuda_compile.KernelReport]) -> None:
+    assert [r.name for r in reports] == [s.name for s in all_specialisations()]
+    assert all(r.registers > 0 for r in reports)
+
+
+def test_no_kernel_spills_or_uses_a_stack(reports: list[cuda_compile.KernelReport]) -> None:
+    bad = [r for r in reports if r.spills or r.stack]
+    assert not bad, f"spills or stack frames: {bad}"
+
+
+def test_registers_fit_the_launch_bounds(reports: list[cuda_compile.KernelReport]) -> None:
+    # Every kernel asks for 512 resident threads per SM: at most 128 registers per thread.
+    assert max(r.registers for r in reports) <= 128
+
+
+def test_compile_kernels_is_cached_on_disk(tmp_path: Path) -> None:
+    _nvrtc_or_skip()
+    spec = Specialisation("float32", "float32", 32, 1, True)
+    first = cuda_compile.compile_kernels([spec], "sm_90", cache_dir=tmp_path)
+    assert first.image[:4] == b"\x7fELF"  # a cubin, not PTX
+    assert len(list(tmp_path.glob("*.bin"))) == 1
+    again = cuda_compile.compile_kernels([spec], "sm_90", cache_dir=tmp_path)
+    assert again.image == first.image
+    assert again.functions == first.functions
+    assert again.reports == first.reports
+
+
+def test_compute_target_gives_ptx_without_reports(tmp_path: Path) -> None:
+    _nvrtc_or_skip()
+    spec = Specialisation("bfloat16", "float32", 512, 0, False)
+    module = cuda_compile.compile_kernels([spec], "compute_80", cache_dir=tmp_path)
+    assert b".entry " + module.functions[spec.name].encode() in module.image
+    assert module.reports == ()
+
+
+def test_a_bad_target_raises_with_nvrtc_s_message(tmp_path: Path) -> None:
+    _nvrtc_or_skip()
+    spec = Specialisation("float32", "float32", 32, 1, True)
+    with pytest.raises(cuda_compile.CudaCompileError, match="NVRTC_ERROR_INVALID_OPTION"):
+        cuda_compile.compile_kernels([spec], "sm_1", cache_dir=tmp_path)
+
+
+def test_target_for_a_device() -> None:
+    _nvrtc_or_skip()
+    archs = cuda_compile.supported_archs()
+    assert cuda_compile.target_for(90) == "sm_90"
+    newest = max(archs)
+    assert cuda_compile.target_for(newest + 1) == f"compute_{newest}"
+    with pytest.raises(cuda_compile.CudaCompileError, match="compute capabilities"):
+        cuda_compile.target_for(min(archs) - 1)
+
+
+PTXAS_LOG = """\
+ptxas info    : 20 bytes gmem
+ptxas info    : Compiling entry function '_Z1aPf' for 'sm_90'
+ptxas info    : Function properties for _Z1aPf
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 111 registers, used 1 barriers, 48 bytes smem
+ptxas info    : Compile time = 137.028 ms
+ptxas info    : Compiling entry function '_Z1bPd' for 'sm_80'
+ptxas info    : Function properties for _Z1bPd
+ptxas         .     48 bytes stack frame, 28 bytes spill stores, 44 bytes spill loads
+ptxas info    : Used 64 registers, 48 bytes cumulative stack size, 768 bytes smem, 400 bytes cmem[0]
+"""
+
+
+def test_ptxas_log_is_parsed() -> None:
+    assert cuda_compile.parse_ptxas_log(PTXAS_LOG) == {
+        "_Z1aPf": {"registers": 111, "stack": 0, "spill_stores": 0, "spill_loads": 0, "shared": 48},
+        "_Z1bPd": {
+            "registers": 64,
+            "stack": 48,
+            "spill_stores": 28,
+            "spill_loads": 44,
+            "shared": 768,
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The launch planner
+
+
+def test_specialisations_have_unique_names_and_expressions() -> None:
+    specs = all_specialisations()
+    assert len({s.name for s in specs}) == len({s.expression for s in specs}) == len(specs)
+    assert {s.dtype for s in specs} == set(FLOAT_DTYPES)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("cols", [*AWKWARD_COLS, 4096, 16384, 16385])
+def test_the_smallest_rung_that_holds_the_row_is_chosen(dtype: str, cols: int) -> None:
+    plan = plan_launch(cols, dtype, None, ALIGNED, [cols, cols])
+    spec = plan.specialisation
+    rungs = [
+        s
+        for s in all_specialisations()
+        if (s.dtype, s.param_dtype, s.vector) == (dtype, dtype, spec.vector)
+    ]
+    held = [s for s in rungs if s.capacity is not None and s.capacity >= cols]
+    if held:
+        assert spec == min(held, key=lambda s: s.capacity or 0)
+    else:
+        assert spec.loop and all(s.capacity is None or s.capacity < cols for s in rungs)
+    assert spec in all_specialisations()
+
+
+def test_typical_hidden_sizes_stay_in_registers() -> None:
+    for dtype in FLOAT_DTYPES:
+        limit = 8192 if dtype == "float64" else 16384
+        assert not plan_launch(limit, dtype, None, ALIGNED, [limit]).specialisation.loop
+        assert plan_launch(limit + 8, dtype, None, ALIGNED, [limit + 8]).specialisation.loop
+
+
+@pytest.mark.parametrize("spec", all_specialisations(), ids=lambda s: s.name)
+def test_block_shapes(spec: Specialisation) -> None:
+    assert spec.block % 32 == 0 and 128 <= spec.block <= 1024
+    assert spec.block == spec.threads * spec.rows_per_block
+
+
+def test_16_byte_accesses_need_alignment_everywhere() -> None:
+    def vector(cols: int, addresses: list[int | None], strides: list[int]) -> bool:
+        return plan_launch(cols, "float16", "float32", addresses, strides).specialisation.vector
+
+    base = 0x7F0000000000
+    assert vector(1024, [base, base + 4096, base + 8192, None], [1024, 1024])
+    assert not vector(1020, [base, base, base, base], [1020, 1020])  # 1020 % 8 != 0
+    assert not vector(1024, [base + 2, base, None, None], [1024, 1024])  # x misaligned
+    assert not vector(1024, [base, base, base + 4, None], [1024, 1024])  # weight misaligned
+    assert not vector(1024, [base, base, None, None], [1028, 1024])  # row stride, 2056 bytes
+    assert vector(1024, [base, base, None, None], [-2048, 0])  # negative and zero strides
+
+
+def test_the_plan_never_depends_on_the_number_of_rows() -> None:
+    assert "rows" not in inspect.signature(plan_launch).parameters
+    plan = plan_launch(768, "bfloat16", "float32", ALIGNED, [768, 768])
+    assert plan.rows_per_block == 4 and plan.block == 128 and plan.threads_per_row == 32
+    assert plan.vector_width == 8
+    assert [plan.grid(r) for r in (1, 4, 5, 65537)] == [1, 1, 2, 16385]
+    assert plan.grid(2**40) == MAX_GRID  # blocks stride over the rest
+    with pytest.raises(ValueError, match="no launch for empty input"):
+        plan.grid(0)
+    with pytest.raises(ValueError, match="no launch for empty input"):
+        plan_launch(0, "float32", None, ALIGNED, [0])
+
+
+def test_the_planner_and_the_kernel_source_agree() -> None:
+    source = (cuda_compile.KERNEL_DIR / cuda_compile.SOURCE).read_text()
+    assert f"constexpr int LOOP_THREADS = {cuda_launch.LOOP_THREADS};" in source
+    assert f"constexpr int LOOP_ITEMS = {cuda_launch.LOOP_ITEMS};" in source
+    assert "THREADS < 128 ? 128 : THREADS" in source  # rows per block of the short-row kernels
+    for cxx in cuda_launch.CXX_TYPES.values():
+        assert cxx in ("float", "double") or f"struct {cxx.split('::')[1]} " in source
+
+
+def test_parameter_dtypes() -> None:
+    assert cuda_launch.param_dtypes("float16") == ("float16", "float32")
+    assert cuda_launch.param_dtypes("float64") == ("float64",)
+    with pytest.raises(ValueError, match="do not go with"):
+        plan_launch(8, "float32", "float16", ALIGNED, [8])
+
+
+# --------------------------------------------------------------------------------------------
+# A NumPy model of the kernels' arithmetic: which thread holds which column, exact moments per
+# thread, Chan merges in butterfly order across lanes and then across warps. It checks the
+# algorithm (not the CUDA code, which needs a GPU: benchmarks/gpu_check.py runs that).
+
+
+def _chan(a: tuple[float, ...], b: tuple[float, ...], acc: type) -> tuple[float, ...]:
+    n = a[0] + b[0]
+    wb = acc(1) if a[0] == 0 else acc(b[0] / n)
+    delta = acc(b[1] - a[1])
+    return n, acc(a[1] + delta * wb), acc(a[2] + b[2] + delta * delta * a[0] * wb)
+
+
+def _butterfly(moments: list[tuple[float, ...]], acc: type) -> tuple[float, ...]:
+    offset = 1
+    while offset < len(moments):
+        moments = [
+            _chan(moments[i ^ offset], moments[i], acc)
+            if i & offset
+            else _chan(moments[i], moments[i ^ offset], acc)
+            for i in range(len(moments))
+        ]
+        offset *= 2
+    assert all(m == moments[0] for m in moments)  # every lane ends with the same bits
+    return moments[0]
+
+
+def _model_row(x: np.ndarray, spec: Specialisation) -> tuple[float, float, np.ndarray]:
+    acc = np.float64 if spec.dtype == "float64" else np.float32
+    width = vector_width(spec.dtype)
+    step = spec.threads * width
+    d = x.astype(acc) - acc(x[0])
+    per_thread = []
+    covered = np.zeros(len(x), int)
+    for t in range(spec.threads):
+        columns = np.array(
+            [
+                c
+                for i in range(spec.items)
+                for c in range(t * width + i * step, t * width + i * step + width)
+                if c < len(x)
+            ],
+            int,
+        )
+        covered[columns] += 1
+        values = d[columns]
+        mean = acc(values.sum(dtype=acc) / acc(len(values))) if len(values) else acc(0)
+        per_thread.append((len(values), mean, acc(((values - mean) ** 2).sum(dtype=acc))))
+    assert (covered == 1).all()  # every column held by exactly one thread
+    warps = [_butterfly(per_thread[w : w + 32], acc) for w in range(0, spec.threads, 32)]
+    warps += [(0, acc(0), acc(0))] * (32 - len(warps))
+    n, mean_d, m2 = _butterfly(warps, acc) if spec.threads > 32 else warps[0]
+    rstd = acc(1) / np.sqrt(acc(m2 / acc(n)) + acc(1e-5))
+    return float(acc(x[0]) + mean_d), float(rstd), (d - mean_d) * rstd
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("cols", [1, 3, 17, 127, 1000, 4097])
+def test_model_of_the_kernel_arithmetic(dtype: str, cols: int) -> None:
+    rng = np.random.default_rng(cols)
+    x = (100 + 0.01 * rng.standard_normal(cols)).astype(dtype)
+    spec = plan_launch(cols, dtype, None, ALIGNED, [cols]).specialisation
+    mean, rstd, y = _model_row(x, spec)
+    exact = x.astype(np.float64)
+    var = exact.var()
+    assert mean == pytest.approx(exact.mean(), rel=1e-6)
+    if cols > 1:
+        tol = 2e-3 if dtype == "float32" else 1e-9
+        assert rstd == pytest.approx(1 / np.sqrt(var + 1e-5), rel=tol)
+        assert np.allclose(y, (exact - exact.mean()) / np.sqrt(var + 1e-5), atol=tol * 10)
+
+
+def test_model_of_a_constant_row_gives_exact_zeros() -> None:
+    x = np.full(1000, 3.25, np.float32)
+    mean, _, y = _model_row(x, plan_launch(1000, "float32", None, ALIGNED, [1000]).specialisation)
+    assert mean == 3.25 and not y.any()
+
+
+# --------------------------------------------------------------------------------------------
+# The launch from Python, with a fake CuPy whose "kernel" reads and writes host memory through the
+# pointers it is given: argument order, element strides, weight/bias handling, statistics.
+
+
+class _FakeArray:
+    """Stands in for a cupy.ndarray: host memory with ``data.ptr``, ``strides``, ``device``."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+        self.data = SimpleNamespace(ptr=a.ctypes.data)
+        self.strides, self.dtype, self.shape = a.strides, a.dtype, a.shape
+        self.device = SimpleNamespace(id=0)
+
+    def astype(self, dtype: Any) -> _FakeArray:
+        return _FakeArray(self.a.astype(dtype))
+
+
+def _host_view(address: int, rows: int, cols: int, stride: int, dtype: np.dtype) -> np.ndarray:
+    """The (rows, cols) array at ``address`` with row stride ``stride`` elements."""
+    size = dtype.itemsize
+    low = address + min(0, (rows - 1) * stride) * size
+    high = address + (max(0, (rows - 1) * stride) + cols) * size
+    base = np.frombuffer((ctypes.c_char * (high - low)).from_address(low), dtype)
+    start = base[(address - low) // size :]
+    return np.lib.stride_tricks.as_strided(start, (rows, cols), (stride * size, size))
+
+
+class _FakeKernel:
+    """Runs the float64 reference on the memory behind the kernel's pointer arguments."""
+
+    def __init__(self, spec: Specialisation) -> None:
+        self.spec = spec
+
+    def __call__(
+        self, grid: tuple[int], block: tuple[int], args: tuple[Any, ...], stream: Any = None
+    ) -> None:
+        x_at, w_at, b_at, y_at, mean_at, rstd_at, rows, cols, x_stride, y_stride, eps = args
+        assert all(isinstance(a, np.uint64) for a in args[:6])
+        assert all(isinstance(a, np.int64) for a in args[6:10])
+        stats = np.dtype(np.float64 if self.spec.dtype == "float64" else np.float32)
+        assert eps.dtype == stats
+        assert block == (self.spec.block,) and grid[0] * self.spec.rows_per_block >= rows
+        dtype = np.dtype(self.spec.dtype)
+        x = _host_view(int(x_at), int(rows), int(cols), int(x_stride), dtype)
+        param = np.dtype(self.spec.param_dtype)
+        w = None if w_at == 0 else _host_view(int(w_at), 1, int(cols), 0, param)[0]
+        b = None if b_at == 0 else _host_view(int(b_at), 1, int(cols), 0, param)[0]
+        y, mean, rstd = reference.layer_norm(x, weight=w, bias=b, eps=float(eps))
+        _host_view(int(y_at), int(rows), int(cols), int(y_stride), dtype)[...] = y
+        for at, values in ((mean_at, mean), (rstd_at, rstd)):
+            if at != 0:
+                _host_view(int(at), 1, int(rows), 0, stats)[0] = values[:, 0]
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fake ``cupy`` module, and kernels that compute on host memory."""
+    from normlab.backends import cupy_backend
+
+    device = SimpleNamespace(compute_capability="90")
+    fake = SimpleNamespace(
+        empty=lambda shape, dtype: _FakeArray(np.empty(shape, dtype)),
+        ascontiguousarray=lambda a: _FakeArray(np.ascontiguousarray(a.a)),
+        cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext(device)),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cupy_backend, "_function", lambda dev, spec: _FakeKernel(spec))
+    return cupy_backend
+
+
+AFFINES = [
+    *((d, a) for d in ("float16", "float32", "float64") for a in ("none", "weight", "both")),
+    ("float16", "mixed"),  # a float16 weight and a float32 bias: both read as float32
+]
+
+
+@pytest.mark.parametrize("layout", ["c", "padded", "reversed", "broadcast"])
+@pytest.mark.parametrize(("dtype", "affine"), AFFINES)
+def test_the_launch_passes_what_the_kernel_reads(
+    fake_cupy: Any, dtype: str, affine: str, layout: str
+) -> None:
+    rows, cols = 5, 12
+    rng = np.random.default_rng(0)
+    wide = rng.standard_normal((rows, cols + 4)).astype(dtype)
+    x = {
+        "c": np.ascontiguousarray(wide[:, :cols]),
+        "padded": wide[:, :cols],
+        "reversed": wide[::-1, :cols],
+        "broadcast": np.broadcast_to(wide[0, :cols], (rows, cols)),
+    }[layout]
+    w = rng.standard_normal(cols).astype(dtype) if affine != "none" else None
+    bias_dtype = "float32" if affine == "mixed" else dtype
+    b = rng.standard_normal(cols).astype(bias_dtype) if affine in ("both", "mixed") else None
+    plan = spec.plan("layer_norm", x, None, w, b, 1e-5, None, True, None)
+    y, mean, rstd = fake_cupy.layer_norm(
+        _FakeArray(x),
+        None if w is None else _FakeArray(w),
+        None if b is None else _FakeArray(b),
+        plan=dataclasses.replace(plan, family="cupy"),
+        out=None,
+    )
+    want = reference.layer_norm(x, weight=w, bias=b, eps=1e-5)
+    tol = 1e-3 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(y.a, want[0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(mean.a, want[1][:, 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rstd.a, want[2][:, 0], rtol=1e-5)
+    assert y.a.dtype == x.dtype and mean.a.dtype == rstd.a.dtype == plan.stats_dtype
+
+
+def test_the_launch_writes_out_in_place(fake_cupy: Any) -> None:
+    x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    want = reference.layer_norm(x, eps=1e-5)[0]
+    plan = dataclasses.replace(
+        spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, x), family="cupy"
+    )
+    fake = _FakeArray(x)
+    y, mean, rstd = fake_cupy.layer_norm(fake, None, None, plan=plan, out=fake)
+    assert y is fake and mean is None and rstd is None
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Without a CUDA device
+
+
+def _device_problem_or_skip() -> str:
+    pytest.importorskip("cupy")
+    from normlab.backends.cupy_backend import device_problem
+
+    problem = device_problem()
+    if problem is None:
+        pytest.skip("a CUDA device is usable here; benchmarks/gpu_check.sh tests the kernels")
+    return problem
+
+
+def test_device_problem_says_there_is_no_cuda_device() -> None:
+    assert _device_problem_or_skip().startswith("no CUDA device")
+
+
+def test_the_cupy_backend_is_unavailable_with_that_reason() -> None:
+    problem = _device_problem_or_skip()
+    backend = registry.get("cupy")
+    assert not backend.available
+    assert backend.reason == problem
