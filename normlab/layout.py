@@ -71,6 +71,7 @@ def route(plan: Plan, choice: Choice) -> Route:
         direct=(
             copy_x is None
             and order is None
+            and len(plan.axes) == 1
             and plan.shape == (plan.rows, plan.cols)
             and not plan.has_out
             and not plan.return_stats

@@ -55,7 +55,15 @@ def _normalize(
     out: np.ndarray | None, centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Both ops, block by block: ``centre`` subtracts the shifted two-pass mean (LayerNorm);
-    without it the mean square is taken about zero (RMSNorm)."""
+    without it the mean square is taken about zero (RMSNorm). NaN and Inf propagate quietly."""
+    with np.errstate(all="ignore"):
+        return _normalize_blocks(x, weight, bias, plan, out, centre)
+
+
+def _normalize_blocks(
+    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, plan: Plan,
+    out: np.ndarray | None, centre: bool,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     compute = np.dtype(plan.compute_dtype)
     rows, cols = plan.rows, plan.cols
     y = out if out is not None else np.empty((rows, cols), dtype=x.dtype)

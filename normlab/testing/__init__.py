@@ -1,0 +1,63 @@
+"""The conformance suite: every backend, third-party ones included, is held to one contract.
+
+``check(name)`` (the CLI's ``normlab check NAME``) runs the suite against one backend in this
+process; within pytest, ``--normlab-backend NAME`` does the same (:mod:`.pytest_plugin`). The
+suite drives a backend only through ``normlab.layer_norm(x, ..., backend=NAME)`` and its record's
+``from_numpy``/``to_numpy``, and compares with the float64 reference
+(:mod:`normlab.reference`) within the tolerances of :mod:`.tolerances`.
+
+Test modules, one per area: ``test_numerics`` (random calls and the named numerical cases),
+``test_rows`` (NaN/Inf confinement, batch independence), ``test_layouts`` (strides, ``out=``,
+in place, x untouched, empty inputs), ``test_results`` (result kinds, statistics, repeated
+calls), ``test_errors`` (every bad input raises its NormlabError subclass). Cases live in
+:mod:`.cases`, hypothesis strategies and profiles in :mod:`.strategies`, tolerances in
+:mod:`.tolerances`, and what a backend claims in :mod:`.subject`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+__all__ = ["SUITE", "check"]
+
+#: The folder holding the suite's test modules.
+SUITE: Final = Path(__file__).parent
+
+
+def check(
+    backend_name: str,
+    *,
+    profile: str = "ci",
+    extra_pytest_args: Sequence[str] = (),
+    plugins: Sequence[object] = (),
+) -> int:
+    """Run the conformance suite against ``backend_name`` and return pytest's exit code.
+
+    ``profile``: ``"ci"`` (fast, the same cases every run) or ``"full"`` (many more).
+    ``extra_pytest_args`` go to pytest as they are (``-k``, ``-x``, ``--normlab-xfail ID``…);
+    ``plugins`` are extra pytest plugin objects (say, one that records reports). 0 means every
+    test passed or was skipped with its reason.
+    """
+    import pytest
+
+    from normlab.testing import pytest_plugin
+
+    args = [
+        str(SUITE),
+        f"--normlab-backend={backend_name}",
+        f"--normlab-profile={profile}",
+        # The plugin object is passed below; its entry point (named "normlab") must not load it
+        # a second time under another name.
+        "-p",
+        "no:normlab",
+        # normlab, imported already, is a pytest11 distribution: pytest would like to rewrite it.
+        "-W",
+        "ignore:Module already imported so cannot be rewritten; normlab:"
+        "pytest.PytestAssertRewriteWarning",
+        "-p",
+        "no:cacheprovider",
+        *extra_pytest_args,
+    ]
+    return int(pytest.main(args, plugins=[pytest_plugin, *plugins]))

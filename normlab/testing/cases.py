@@ -1,0 +1,381 @@
+"""Test cases: one :class:`Case` describes a call completely, so any failure can be rerun.
+
+A case names the shape, dtype, kind of values and seed of ``x``, the normalized axes, the
+affine parameters, ``eps`` and the memory layout. :meth:`Case.inputs` builds the arrays of any
+backend's family through the record's ``from_numpy``; :meth:`Case.expected` is the float64
+reference; :meth:`Case.check` runs the backend and compares, and its failure message is a
+runnable snippet (:meth:`Case.snippet`).
+
+The named cases of the design (section 6) are values kinds here (``"offset"``, ``"constant"``,
+``"zeros"``, ``"near_max"``, ``"worked"``, ``"nan_inf"``) plus the row lengths in
+:data:`AWKWARD_COLS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+import normlab
+from normlab import reference, registry
+from normlab.testing.tolerances import assert_close, conditioning
+
+__all__ = [
+    "AWKWARD_COLS",
+    "LAYOUTS",
+    "POISONED",
+    "VALUES",
+    "Case",
+    "LayoutUnavailable",
+    "arrange",
+    "numpy_dtype",
+    "same_kind",
+]
+
+#: Row lengths that do not fit vector widths, warps or blocks.
+AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097)
+
+#: Kinds of values; the first six are drawn at random, the rest are named cases.
+VALUES: Final = (
+    "normal",  # standard normal
+    "offset",  # 100 + 0.01 * normal: defeats E[x^2] - E[x]^2 in float32
+    "rowwise",  # each row its own mean (-10..10) and scale (1e-2..1e2): defeats batch statistics
+    "tiny",  # 1e-3 * normal: eps is no longer negligible
+    "large",  # 1e3 * normal
+    "integers",  # small integers: exact sums, ties, sometimes constant rows
+    "constant",  # each row one value (its own): y must be exactly bias when eps > 0
+    "zeros",  # all zero
+    "near_max",  # magnitudes 55000..65000 with both signs: float16 sums of squares overflow
+    "worked",  # every row [1, 3, 5, 7] (the seed's worked example)
+    "nan_inf",  # normal, with a NaN in row 1, +inf in row 2, -inf in row 3
+)
+
+#: Memory layouts of x (same values, different strides).
+LAYOUTS: Final = (
+    "c",  # C-contiguous
+    "fortran",  # Fortran order (all axes reversed in memory)
+    "transposed",  # the last two axes swapped in memory
+    "sliced",  # every axis sliced with step 2 out of a larger array (NaN in between)
+    "padded",  # the last axis sliced out of a wider array (NaN padding)
+    "reversed",  # every axis reversed (negative strides)
+    "broadcast",  # axis 0 broadcast from size 1 (zero stride)
+)
+
+#: Poisoned rows of the ``"nan_inf"`` values: row -> the value put in it.
+POISONED: Final = {1: float("nan"), 2: float("inf"), 3: float("-inf")}
+
+
+class LayoutUnavailable(Exception):
+    """The backend's array family cannot make this layout (say, no negative strides)."""
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
+    return np.dtype(name)
+
+
+def _values(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """``(rows, cols)`` float64 values of ``kind`` (see :data:`VALUES`)."""
+    shape = (rows, cols)
+    if kind == "normal":
+        return rng.standard_normal(shape)
+    if kind == "offset":
+        return 100.0 + 0.01 * rng.standard_normal(shape)
+    if kind == "rowwise":
+        centre = rng.uniform(-10.0, 10.0, (rows, 1))
+        return centre + 10.0 ** rng.uniform(-2.0, 2.0, (rows, 1)) * rng.standard_normal(shape)
+    if kind == "tiny":
+        return 1e-3 * rng.standard_normal(shape)
+    if kind == "large":
+        return 1e3 * rng.standard_normal(shape)
+    if kind == "integers":
+        return rng.integers(-4, 5, shape).astype(np.float64)
+    if kind == "constant":
+        return np.repeat(rng.uniform(-50.0, 50.0, (rows, 1)), cols, axis=1)
+    if kind == "zeros":
+        return np.zeros(shape)
+    if kind == "near_max":
+        return rng.choice([-1.0, 1.0], shape) * rng.uniform(55000.0, 65000.0, shape)
+    if kind == "worked":
+        return np.tile(np.arange(1.0, 2.0 * cols, 2.0), (rows, 1))
+    if kind == "nan_inf":
+        x = rng.standard_normal(shape)
+        for row, value in POISONED.items():
+            if row < rows:
+                x[row, rng.integers(cols)] = value
+        return x
+    raise ValueError(f"unknown values kind {kind!r}; known: {', '.join(VALUES)}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of ``layer_norm``, completely described by plain values (its repr is code).
+
+    ``weight``/``bias`` are the parameters' dtypes, or None for no parameter. Values come from
+    ``numpy.random.default_rng(seed)``; the layout changes strides, never values.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    values: str = "normal"
+    seed: int = 0
+    normalized_shape: int | tuple[int, ...] | None = None
+    axis: int | tuple[int, ...] | None = None
+    weight: str | None = None
+    bias: str | None = None
+    eps: float = 1e-5
+    layout: str = "c"
+    return_stats: bool = True
+
+    @property
+    def axes(self) -> tuple[int, ...]:
+        """The normalized axes, sorted and non-negative."""
+        return reference.normalized_axes(len(self.shape), self.normalized_shape, self.axis)
+
+    @property
+    def batch_axes(self) -> tuple[int, ...]:
+        return tuple(a for a in range(len(self.shape)) if a not in self.axes)
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod([self.shape[a] for a in self.batch_axes], dtype=np.int64))
+
+    @property
+    def cols(self) -> int:
+        return int(np.prod([self.shape[a] for a in self.axes], dtype=np.int64))
+
+    def replace(self, **changes: Any) -> Case:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    # ----------------------------------------------------------------------------------------
+    # Inputs
+
+    def numpy_inputs(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """``(x, weight, bias)`` as C-ordered NumPy arrays of the case's dtypes."""
+        rng = np.random.default_rng(self.seed)
+        order = self.batch_axes + self.axes
+        permuted = tuple(self.shape[a] for a in order)
+        x64 = _values(self.values, self.rows, self.cols, rng).reshape(permuted)
+        x64 = x64.transpose(np.argsort(order))
+        if self.layout == "broadcast" and self.shape[0] > 0:
+            x64 = np.broadcast_to(x64[:1], self.shape)
+        x = np.ascontiguousarray(x64).astype(numpy_dtype(self.dtype))
+        param_shape = tuple(self.shape[a] for a in self.axes)
+        weight = None
+        if self.weight is not None:
+            weight = rng.standard_normal(param_shape).astype(numpy_dtype(self.weight))
+        bias = None
+        if self.bias is not None:
+            bias = rng.standard_normal(param_shape).astype(numpy_dtype(self.bias))
+        return x, weight, bias
+
+    def has_constant_row(self) -> bool:
+        """Whether some row has zero variance in the case's dtype (eps = 0 would divide by 0)."""
+        x = self.numpy_inputs()[0]
+        order = self.batch_axes + self.axes
+        rows = reference.to_float64(x).transpose(order).reshape(self.rows, self.cols)
+        return bool(self.rows and (rows.min(axis=1) == rows.max(axis=1)).any())
+
+    def inputs(self, backend: str) -> tuple[Any, dict[str, Any]]:
+        """``x`` in the backend's family and layout, and the keyword arguments of the call.
+
+        Raises :class:`LayoutUnavailable` when the family cannot make the layout.
+        """
+        b = registry.get(backend)
+        x, weight, bias = self.numpy_inputs()
+        kwargs: dict[str, Any] = {"eps": self.eps}
+        if self.normalized_shape is not None:
+            kwargs["normalized_shape"] = self.normalized_shape
+        if self.axis is not None:
+            kwargs["axis"] = self.axis
+        if weight is not None:
+            kwargs["weight"] = b.from_numpy(weight)
+        if bias is not None:
+            kwargs["bias"] = b.from_numpy(bias)
+        return arrange(x, self.layout, b), kwargs
+
+    def expected(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The float64 reference ``(y, mean, rstd)``."""
+        x, weight, bias = self.numpy_inputs()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return reference.layer_norm(
+                x, self.normalized_shape, weight, bias, self.eps, axis=self.axis
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # Running and checking
+
+    def run(self, backend: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Call ``normlab.layer_norm`` on ``backend``; results as NumPy ``(y, mean, rstd)``."""
+        b = registry.get(backend)
+        x, kwargs = self.inputs(backend)
+        result = normlab.layer_norm(x, **kwargs, backend=backend, return_stats=self.return_stats)
+        y, mean, rstd = result if self.return_stats else (result, None, None)
+        same_kind(y, x, self.snippet(backend))
+        if mean is None or rstd is None:
+            return b.to_numpy(y), None, None
+        return b.to_numpy(y), b.to_numpy(mean), b.to_numpy(rstd)
+
+    def check(self, backend: str, *, rows: np.ndarray | None = None) -> None:
+        """Run on ``backend`` and assert y (and the statistics) match the reference.
+
+        ``rows``: a boolean mask of the statistics' shape choosing the rows compared (for
+        cases whose other rows are poisoned on purpose); all rows by default.
+        """
+        self.compare(*self.run(backend), backend=backend, rows=rows)
+
+    def compare(
+        self,
+        y: np.ndarray,
+        mean: np.ndarray | None,
+        rstd: np.ndarray | None,
+        *,
+        backend: str,
+        rows: np.ndarray | None = None,
+    ) -> None:
+        """Assert results (NumPy) of this case on ``backend`` match the reference (see check)."""
+        want_y, want_mean, want_rstd = self.expected()
+        repro = self.snippet(backend)
+        x, weight, bias = self.numpy_inputs()
+        cond = conditioning(want_mean, want_rstd)
+        with np.errstate(invalid="ignore"):
+            z = (reference.to_float64(x) - want_mean) * want_rstd
+        scale = _abs(weight, self.axes, x.ndim, 1.0) * (1.0 + np.abs(z))
+        scale = scale + _abs(bias, self.axes, x.ndim, 0.0)
+        # With rows given the elements compared are picked by a mask (flattened); else whole
+        # arrays are compared, and failure messages give indices into x.
+        in_stats: Any = ... if rows is None else rows
+        in_y: Any = ... if rows is None else np.broadcast_to(rows, x.shape)
+        assert_close(
+            y[in_y],
+            want_y[in_y],
+            self.dtype,
+            np.broadcast_to(cond, x.shape)[in_y],
+            what="y",
+            cols=self.cols,
+            scale=np.broadcast_to(scale, x.shape)[in_y],
+            repro=repro,
+        )
+        if mean is None or rstd is None:
+            return
+        stats_dtype = "float64" if self.dtype == "float64" else "float32"
+        for name, got, want, unit in (
+            ("mean", mean, want_mean, 1.0 / want_rstd),
+            ("rstd", rstd, want_rstd, want_rstd),
+        ):
+            if got.dtype != numpy_dtype(stats_dtype) or got.shape != want.shape:
+                raise AssertionError(
+                    f"{name} has dtype {got.dtype} and shape {got.shape}; expected "
+                    f"{stats_dtype} {want.shape}\n{repro}"
+                )
+            assert_close(
+                got[in_stats],
+                want[in_stats],
+                self.dtype,
+                cond[in_stats],
+                what=name,
+                cols=self.cols,
+                scale=unit[in_stats],
+                repro=repro,
+            )
+
+    def snippet(self, backend: str) -> str:
+        """Code that reproduces this case on ``backend`` (shown when a check fails)."""
+        return (
+            "Reproduce with:\n"
+            "    import normlab\n"
+            "    from normlab.testing.cases import Case\n"
+            f"    case = {self!r}\n"
+            f"    x, kwargs = case.inputs({backend!r})  # the backend's arrays, as tested\n"
+            f"    result = normlab.layer_norm(x, **kwargs, backend={backend!r}, "
+            f"return_stats={self.return_stats})\n"
+            "    expected = case.expected()  # float64 reference (y, mean, rstd)\n"
+            f"    case.check({backend!r})  # the comparison\n"
+        )
+
+
+def _abs(p: np.ndarray | None, axes: tuple[int, ...], ndim: int, missing: float) -> Any:
+    """``|p|`` with p's dims on ``axes`` of an ndim-d x, or ``missing`` when there is no p."""
+    if p is None:
+        return missing
+    shape = [1] * ndim
+    for a, n in zip(axes, p.shape, strict=True):
+        shape[a] = n
+    return np.abs(reference.to_float64(p)).reshape(shape)
+
+
+def same_kind(result: Any, x: Any, repro: str = "") -> None:
+    """Assert ``result`` has x's array type, shape, dtype and device."""
+    problems = []
+    if type(result) is not type(x):
+        problems.append(f"type {type(result).__qualname__}, not {type(x).__qualname__}")
+    if tuple(result.shape) != tuple(x.shape):
+        problems.append(f"shape {tuple(result.shape)}, not {tuple(x.shape)}")
+    if result.dtype != x.dtype:
+        problems.append(f"dtype {result.dtype}, not {x.dtype}")
+    if _device(result) != _device(x):
+        problems.append(f"device {_device(result)}, not {_device(x)}")
+    if problems:
+        raise AssertionError("the result differs from x: " + "; ".join(problems) + "\n" + repro)
+
+
+def _device(a: Any) -> str:
+    import array_api_compat
+
+    try:
+        return str(array_api_compat.device(a))
+    except Exception:  # a library array_api_compat does not know
+        return str(getattr(a, "device", "cpu"))
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+
+
+def arrange(x: np.ndarray, layout: str, backend: registry.Backend) -> Any:
+    """``x`` as an array of ``backend``'s family with ``layout``'s strides and x's values."""
+    ndim = x.ndim
+    if layout == "c":
+        return backend.from_numpy(x)
+    if layout in ("fortran", "transposed"):
+        order = tuple(range(ndim))[::-1]
+        if layout == "transposed":
+            order = (*range(ndim - 2), ndim - 1, ndim - 2) if ndim >= 2 else (0,)
+        stored = backend.from_numpy(np.ascontiguousarray(x.transpose(order)))
+        return _namespace(stored).permute_dims(stored, order)
+    if layout in ("sliced", "padded"):
+        if layout == "sliced":
+            view: tuple[slice, ...] = (slice(None, None, 2),) * ndim
+            big = tuple(2 * n for n in x.shape)
+        else:
+            view = (*(slice(None),) * (ndim - 1), slice(0, x.shape[-1]))
+            big = (*x.shape[:-1], x.shape[-1] + 3)
+        memory = np.full(big, np.nan, dtype=x.dtype)
+        memory[view] = x
+        return backend.from_numpy(memory)[view]
+    if layout == "reversed":
+        flip = (slice(None, None, -1),) * ndim
+        stored = backend.from_numpy(np.ascontiguousarray(x[flip]))
+        try:
+            return stored[flip]
+        except Exception as exc:  # torch: "step must be greater than zero"
+            raise LayoutUnavailable(f"{type(exc).__name__}: {exc}") from exc
+    if layout == "broadcast":
+        stored = backend.from_numpy(np.ascontiguousarray(x[:1]))
+        return _namespace(stored).broadcast_to(stored, x.shape)
+    raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
+
+
+def _namespace(a: Any) -> Any:
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a)

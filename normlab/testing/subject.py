@@ -1,0 +1,113 @@
+"""The backend under test: what its record claims and what its array family can express.
+
+Tests ask the :class:`Subject` before exercising something optional; what the record does not
+claim, or the family cannot express, is skipped with the reason, never passed silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from normlab import arrays, registry
+from normlab.spec import FLOAT_DTYPES
+from normlab.testing.cases import LAYOUTS, LayoutUnavailable, arrange, numpy_dtype
+
+__all__ = ["Subject"]
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A backend and the facts about it that decide which tests apply."""
+
+    name: str
+    family: str
+    #: the float dtypes the record lists and the family can make here
+    dtypes: tuple[str, ...]
+    #: dtype -> why the family cannot make it here (say, JAX's float64 without x64 mode)
+    unmakeable: dict[str, str]
+    capabilities: frozenset[str]
+    #: layout -> None when the family can make it, else the reason it cannot.
+    layouts: dict[str, str | None]
+
+    @classmethod
+    def of(cls, name: str) -> Subject:
+        """The subject for backend ``name``; skips (with the reason) when it cannot run here."""
+        backend = registry.get(name)
+        if not backend.available:
+            pytest.skip(f"backend {name!r} is unavailable here: {backend.reason}")
+        if "layer_norm" not in backend.ops:
+            pytest.skip(f"backend {name!r} does not provide layer_norm")
+        unmakeable = {}
+        for dtype in (d for d in FLOAT_DTYPES if d in backend.dtypes):
+            try:
+                backend.from_numpy(np.zeros(2, numpy_dtype(dtype)))
+            except Exception as exc:
+                unmakeable[dtype] = f"{type(exc).__name__}: {exc}"
+        dtypes = tuple(d for d in FLOAT_DTYPES if d in backend.dtypes and d not in unmakeable)
+        if not dtypes:
+            pytest.skip(f"backend {name!r}: no float dtype it serves can be made ({unmakeable})")
+        probe = np.arange(6.0).reshape(2, 3).astype(numpy_dtype(dtypes[-1]))
+        return cls(
+            name=name,
+            family=arrays.family_of(backend.from_numpy(probe)),
+            dtypes=dtypes,
+            unmakeable=unmakeable,
+            capabilities=frozenset(backend.capabilities),
+            layouts={layout: _layout_problem(probe, layout, backend) for layout in LAYOUTS},
+        )
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of tests about something else than dtypes: float32, else the widest."""
+        return "float32" if "float32" in self.dtypes else self.dtypes[-1]
+
+    @property
+    def usable_layouts(self) -> tuple[str, ...]:
+        return tuple(layout for layout, problem in self.layouts.items() if problem is None)
+
+    def require_dtype(self, dtype: str) -> None:
+        """Skip unless the backend serves ``dtype`` and its family can make such arrays."""
+        if dtype in self.unmakeable:
+            pytest.skip(
+                f"{self.family} arrays of {dtype} cannot be made here: {self.unmakeable[dtype]}"
+            )
+        if dtype not in self.dtypes:
+            pytest.skip(
+                f"backend {self.name!r} does not serve {dtype} (its record lists "
+                f"{', '.join(self.dtypes)})"
+            )
+
+    def require_capability(self, capability: str, consequence: str) -> None:
+        """Skip unless the record claims ``capability``; ``consequence`` says what that means."""
+        if capability not in self.capabilities:
+            claimed = ", ".join(sorted(self.capabilities)) or "none"
+            pytest.skip(
+                f"backend {self.name!r} does not claim {capability!r} (claims: "
+                f"{claimed}); {consequence}"
+            )
+
+    def require_layout(self, layout: str) -> None:
+        """Skip unless the family can make ``layout``."""
+        problem = self.layouts[layout]
+        if problem is not None:
+            pytest.skip(f"{self.family} arrays cannot have the {layout!r} layout: {problem}")
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        return registry.get(self.name).from_numpy(a)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return np.asarray(registry.get(self.name).to_numpy(a))
+
+
+def _layout_problem(probe: np.ndarray, layout: str, backend: registry.Backend) -> str | None:
+    try:
+        x = arrange(probe, layout, backend)
+    except LayoutUnavailable as exc:
+        return str(exc)
+    if layout != "c" and arrays.info(x).strides is None:
+        return "the family has no strided memory (the layout is not observable)"
+    return None

@@ -1,0 +1,193 @@
+"""Memory layouts, ``out=``, in place, x left untouched, and empty inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import normlab
+from normlab.testing.cases import LAYOUTS, Case, arrange, numpy_dtype, same_kind
+from normlab.testing.subject import Subject
+
+#: x's shape and normalized axes: trailing, non-trailing, split; 2-D ones collapse to row views
+#: of every layout, so strided backends read them without a copy.
+SHAPES = {
+    "2d-last": ((7, 33), None, None),
+    "2d-axis0": ((33, 7), None, 0),
+    "3d-last": ((5, 6, 17), None, None),
+    "3d-trailing2": ((5, 6, 17), (6, 17), None),
+    "3d-axis0": ((5, 6, 17), None, 0),
+    "3d-axes0,2": ((5, 6, 17), None, (0, -1)),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout(normlab_subject: Subject, layout: str, shape: str) -> None:
+    """Every layout gives the reference result; backends that do not read strides get a copy
+    from the core, so this holds for them too."""
+    normlab_subject.require_layout(layout)
+    dtype = normlab_subject.dtype
+    dims, normalized_shape, axis = SHAPES[shape]
+    case = Case(
+        dims,
+        dtype,
+        "rowwise",
+        seed=9,
+        normalized_shape=normalized_shape,
+        axis=axis,
+        weight=dtype,
+        bias=dtype,
+        layout=layout,
+    )
+    case.check(normlab_subject.name)
+
+
+@pytest.mark.parametrize(
+    ("capability", "layout"), [("strided", "sliced"), ("row_strided", "padded")]
+)
+def test_strided_view_reaches_backend(
+    normlab_subject: Subject, capability: str, layout: str
+) -> None:
+    """A backend claiming ``strided`` (``row_strided``) is handed the strided 2-D view itself,
+    without a copy (test_layout checks its results)."""
+    claims = normlab_subject.capabilities
+    if capability == "row_strided" and "strided" in claims:
+        capability = "strided"
+    normlab_subject.require_capability(
+        capability,
+        "the core copies such x to C order before calling it (test_layout checks "
+        "the results either way)",
+    )
+    normlab_subject.require_layout(layout)
+    case = Case((4, 33), normlab_subject.dtype, layout=layout)
+    x, kwargs = case.inputs(normlab_subject.name)
+    text = normlab.explain(x, **kwargs, backend=normlab_subject.name)
+    assert "no copy of x" in text, text
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_x_never_modified(normlab_subject: Subject, layout: str) -> None:
+    """x, weight and bias hold the same bits after the call."""
+    normlab_subject.require_layout(layout)
+    case = Case(
+        (4, 5, 9),
+        normlab_subject.dtype,
+        "rowwise",
+        seed=10,
+        axis=(0, 2),
+        weight=normlab_subject.dtype,
+        bias=normlab_subject.dtype,
+        layout=layout,
+    )
+    x, kwargs = case.inputs(normlab_subject.name)
+    before = [normlab_subject.to_numpy(a).tobytes() for a in (x, kwargs["weight"], kwargs["bias"])]
+    normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    after = [normlab_subject.to_numpy(a).tobytes() for a in (x, kwargs["weight"], kwargs["bias"])]
+    for what, old, new in zip(("x", "weight", "bias"), before, after, strict=True):
+        assert old == new, f"{what} was modified\n{case.snippet(normlab_subject.name)}"
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis"),
+    [((0, 8), None), ((2, 0, 8), None), ((3, 0), None), ((0, 4, 5), 1), ((4, 0, 5), (0, 2))],
+)
+def test_empty(normlab_subject: Subject, shape: tuple[int, ...], axis: Any) -> None:
+    """An empty x (no rows, or empty rows) gives an empty y of x's kind, and statistics of the
+    keepdims shape and statistics dtype."""
+    dtype = normlab_subject.dtype
+    case = Case(shape, dtype, axis=axis)
+    x, kwargs = case.inputs(normlab_subject.name)
+    y, mean, rstd = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    same_kind(y, x, case.snippet(normlab_subject.name))
+    stats_shape = tuple(1 if a in case.axes else n for a, n in enumerate(shape))
+    for got in (normlab_subject.to_numpy(mean), normlab_subject.to_numpy(rstd)):
+        assert got.shape == stats_shape and got.dtype == numpy_dtype(dtype), (got.shape, got.dtype)
+    same_kind(normlab.layer_norm(x, **kwargs, backend=normlab_subject.name), x)
+
+
+# --------------------------------------------------------------------------------------------
+# out= and in place
+
+
+def _require_out(subject: Subject) -> None:
+    subject.require_capability(
+        "out", "out= is then written by the core through a temporary, not by the backend"
+    )
+
+
+def _check_y(y: Any, case: Case, subject: Subject) -> None:
+    case.compare(subject.to_numpy(y), None, None, backend=subject.name)
+
+
+@pytest.mark.parametrize("out_layout", ["c", "fortran", "sliced"])
+@pytest.mark.parametrize("layout", ["c", "transposed"])
+def test_out(normlab_subject: Subject, layout: str, out_layout: str) -> None:
+    """``out=`` is written and returned (itself), in any writable layout; x is untouched."""
+    _require_out(normlab_subject)
+    normlab_subject.require_layout(layout)
+    normlab_subject.require_layout(out_layout)
+    case = Case((6, 33), normlab_subject.dtype, "rowwise", seed=11, layout=layout)
+    x, kwargs = case.inputs(normlab_subject.name)
+    x_before = normlab_subject.to_numpy(x).tobytes()
+    out = arrange(
+        np.zeros(case.shape, numpy_dtype(case.dtype)),
+        out_layout,
+        normlab.registry.get(normlab_subject.name),
+    )
+    y = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, out=out)
+    assert y is out, "layer_norm(..., out=out) must return out itself"
+    _check_y(out, case, normlab_subject)
+    assert normlab_subject.to_numpy(x).tobytes() == x_before, "x was modified"
+
+
+@pytest.mark.parametrize("given", ["y", "mean", "rstd", "all"])
+def test_out_with_stats(normlab_subject: Subject, given: str) -> None:
+    """With return_stats, ``out=(y, mean, rstd)`` fills the entries given and allocates the
+    ones that are None."""
+    _require_out(normlab_subject)
+    dtype = normlab_subject.dtype
+    stats_dtype = numpy_dtype("float64" if dtype == "float64" else "float32")
+    case = Case((6, 33), dtype, "rowwise", seed=12)
+    x, kwargs = case.inputs(normlab_subject.name)
+    entries = {
+        "y": np.zeros(case.shape, numpy_dtype(dtype)),
+        "mean": np.zeros((6, 1), stats_dtype),
+        "rstd": np.zeros((6, 1), stats_dtype),
+    }
+    out = tuple(
+        normlab_subject.from_numpy(a) if given in (what, "all") else None
+        for what, a in entries.items()
+    )
+    result = normlab.layer_norm(
+        x, **kwargs, backend=normlab_subject.name, return_stats=True, out=out
+    )
+    for got, passed in zip(result, out, strict=True):
+        assert passed is None or got is passed, "an out entry given must be returned itself"
+    y, mean, rstd = (normlab_subject.to_numpy(a) for a in result)
+    case.compare(y, mean, rstd, backend=normlab_subject.name)
+
+
+@pytest.mark.parametrize("layout", ["c", "fortran", "sliced"])
+def test_in_place(normlab_subject: Subject, layout: str) -> None:
+    """``out=x`` normalizes x in place and returns x."""
+    _require_out(normlab_subject)
+    normlab_subject.require_capability(
+        "inplace", "out=x is then computed into a temporary and copied back by the core"
+    )
+    normlab_subject.require_layout(layout)
+    case = Case(
+        (6, 5, 17),
+        normlab_subject.dtype,
+        "rowwise",
+        seed=13,
+        axis=(0, 2),
+        weight=normlab_subject.dtype,
+        layout=layout,
+    )
+    x, kwargs = case.inputs(normlab_subject.name)
+    y = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, out=x)
+    assert y is x, "layer_norm(x, out=x) must return x itself"
+    _check_y(x, case, normlab_subject)

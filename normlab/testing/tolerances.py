@@ -1,0 +1,118 @@
+"""How close a backend's result must be to the float64 reference: one table, per dtype.
+
+An element of ``y`` may differ from the reference by::
+
+    compute * (conditioning + sqrt(cols)) * (|weight| * (1 + |z|) + |bias|)    the arithmetic
+    + rounding * |y_ref|                                     one rounding to x's dtype at the end
+    + floor                                                  half a subnormal step, at least
+
+where ``z = (x - mean) * rstd`` is the normalized value and ``conditioning = 1 + |mean| * rstd``
+is the row's condition number (``rstd = 1/sqrt(var + eps)``): a kernel works with ``x - mean``,
+whose rounding error grows with ``|mean|`` relative to the spread of the row. ``sqrt(cols)``
+allows for the growth of rounding error in sums: the typical growth of sequential or Welford
+accumulation (pairwise and blocked sums grow more slowly). ``mean`` may differ by
+``compute * (conditioning + sqrt(cols)) / rstd``, ``rstd`` relatively by
+``compute * (conditioning + sqrt(cols))``. ``compute`` is about 8 units of roundoff of the
+accumulation dtype (float32 for float16, bfloat16 and float32; float64 for float64): a correct
+float32 kernel errs near 1e-3 on ``100 + 0.01·randn`` (conditioning 1e4), and is allowed 5e-3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from normlab.reference import to_float64
+
+__all__ = ["TOLERANCES", "Tolerance", "allowed_error", "assert_close", "conditioning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """The error allowed for inputs of one dtype (see the module docstring for the formula)."""
+
+    compute: float  # per unit of (conditioning + sqrt(cols)); 8 roundoffs of the accumulation
+    rounding: float  # unit roundoff of the result dtype: y is rounded once, at the end
+    floor: float  # absolute: the smallest subnormal of the result dtype
+
+
+TOLERANCES: Final[dict[str, Tolerance]] = {
+    "float16": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-11, floor=2.0**-24),
+    "bfloat16": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-8, floor=2.0**-133),
+    "float32": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-24, floor=2.0**-149),
+    "float64": Tolerance(compute=8 * 2.0**-53, rounding=2.0**-53, floor=2.0**-1074),
+}
+
+#: Statistics are float32 (float64 for float64 x): they are never rounded to a half type.
+_STATS_DTYPE: Final = {"float16": "float32", "bfloat16": "float32"}
+
+
+def conditioning(mean: Any, rstd: Any) -> np.ndarray:
+    """``1 + |mean| * rstd`` per row, from the reference statistics (keepdims-shaped)."""
+    result: np.ndarray = 1.0 + np.abs(to_float64(mean)) * to_float64(rstd)
+    return result
+
+
+def allowed_error(
+    expected: Any, dtype: str, conditioning: Any, *, what: str, cols: int, scale: Any = None
+) -> np.ndarray:
+    """The largest error allowed per element (see the module docstring).
+
+    ``what`` is ``"y"``, ``"mean"`` or ``"rstd"``. ``scale`` is what the arithmetic error of an
+    element is proportional to: ``|weight| * (1 + |z|) + |bias|`` for ``y``, ``1/rstd`` for
+    ``mean``, ``rstd`` for ``rstd``; by default ``1 + |expected|``.
+    """
+    expected64 = to_float64(expected)
+    tol = TOLERANCES[_STATS_DTYPE.get(dtype, dtype) if what != "y" else dtype]
+    compute = TOLERANCES[dtype].compute
+    magnitude = 1.0 + np.abs(expected64) if scale is None else to_float64(scale)
+    growth = math.sqrt(cols)
+    with np.errstate(invalid="ignore", over="ignore"):
+        allowed: np.ndarray = (
+            compute * (to_float64(conditioning) + growth) * magnitude
+            + tol.rounding * np.abs(expected64)
+            + tol.floor
+        )
+    return allowed
+
+
+def assert_close(
+    actual: Any,
+    expected: Any,
+    dtype: str,
+    conditioning: Any,
+    *,
+    what: str,
+    cols: int,
+    scale: Any = None,
+    repro: str = "",
+) -> None:
+    """Assert ``actual`` (NumPy) is within :func:`allowed_error` of the float64 ``expected``.
+
+    NaN must meet NaN and an infinity the same infinity. The failure message shows the worst
+    element, how many are off, and ``repro`` (a runnable snippet reproducing the case).
+    """
+    got = to_float64(actual)
+    want = to_float64(expected)
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {got.shape}, expected {want.shape}\n{repro}")
+    allowed = np.broadcast_to(
+        allowed_error(want, dtype, conditioning, what=what, cols=cols, scale=scale), want.shape
+    )
+    with np.errstate(invalid="ignore"):
+        error = np.abs(got - want)
+        same_special = (np.isnan(got) & np.isnan(want)) | (np.isinf(want) & (got == want))
+        bad = ~same_special & ~(error <= allowed)
+    if not bad.any():
+        return
+    where = np.argwhere(bad)
+    worst = tuple(int(i) for i in where[np.argmax(np.nan_to_num(error[bad], nan=np.inf))])
+    cond = float(np.broadcast_to(to_float64(conditioning), want.shape)[worst])
+    raise AssertionError(
+        f"{what} ({dtype}): {int(bad.sum())} of {bad.size} elements off; worst at index "
+        f"{worst}: got {float(got[worst])!r}, expected {float(want[worst])!r}, error "
+        f"{error[worst]:.3g}, allowed {allowed[worst]:.3g} (conditioning {cond:.3g})\n{repro}"
+    )

@@ -1,0 +1,67 @@
+"""The conformance suite has teeth: every deliberately wrong backend of :mod:`mutants` fails
+it, and the same kernel without a flaw passes it — so failures come from the suite's checks,
+not from the harness."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import mutants
+import pytest
+
+import normlab.testing
+
+#: flaw -> the suite tests written to catch it; each must be among the tests that fail.
+CATCHERS: Final[dict[str, frozenset[str]]] = {
+    "std_plus_eps": frozenset({"test_eps_inside_the_root", "test_worked_example"}),
+    "ddof1": frozenset({"test_worked_example", "test_matches_reference"}),
+    "naive_moments": frozenset({"test_large_offsets", "test_constant_rows_give_bias"}),
+    "batch_stats": frozenset({"test_batch_independence", "test_matches_reference"}),
+    "ignored_strides": frozenset({"test_layout", "test_matches_reference"}),
+    "half_accumulation": frozenset({"test_near_float16_max", "test_half_zeros_tiny_eps"}),
+    "bias_without_weight": frozenset({"test_affine_combinations", "test_constant_rows_give_bias"}),
+}
+
+
+class Failures:
+    """A pytest plugin noting, for each failed test of a suite run, the exception's type."""
+
+    def __init__(self) -> None:
+        self.by_test: dict[str, str] = {}
+
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+        if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
+            self.by_test[item.nodeid] = call.excinfo.typename
+
+    def functions(self) -> set[str]:
+        """The failed test functions, without module and parameters."""
+        return {nodeid.split("::")[-1].split("[")[0] for nodeid in self.by_test}
+
+
+def _run_suite(flaw: str) -> tuple[int, Failures]:
+    failures = Failures()
+    with mutants.registered(flaw) as name:
+        code = normlab.testing.check(name, extra_pytest_args=("-q", "--tb=no"), plugins=[failures])
+    return code, failures
+
+
+def test_mutants_cover_every_catcher() -> None:
+    assert set(CATCHERS) == set(mutants.MUTANTS)
+
+
+def test_control_passes() -> None:
+    """The kernel without a flaw passes the whole suite: the harness does not fail correct code."""
+    code, failures = _run_suite("control")
+    assert code == pytest.ExitCode.OK, failures.by_test
+
+
+@pytest.mark.parametrize("flaw", mutants.MUTANTS)
+def test_mutant_fails(flaw: str) -> None:
+    """Each flawed kernel fails the suite, by failed checks (AssertionError), in the tests
+    written for its flaw."""
+    code, failures = _run_suite(flaw)
+    assert code == pytest.ExitCode.TESTS_FAILED, f"the suite passed a kernel that {flaw}"
+    crashes = {test: kind for test, kind in failures.by_test.items() if kind != "AssertionError"}
+    assert not crashes, f"failures that are not the suite's checks: {crashes}"
+    missed = CATCHERS[flaw] - failures.functions()
+    assert not missed, f"{sorted(missed)} did not catch {mutants.FLAWS[flaw]}"
