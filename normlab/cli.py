@@ -1,0 +1,427 @@
+"""The ``normlab`` command (also ``python -m normlab``).
+
+``info`` shows every backend and why it can or cannot run here; ``check NAME`` runs the
+conformance suite against one backend; ``kernels`` compiles the CUDA kernels with NVRTC and
+reports their register use; ``demo`` runs the worked example ``[1, 3, 5, 7]`` and a
+Transformer-sized batch through every available backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+import normlab
+from normlab import arrays, dispatch, reference, registry
+from normlab.errors import BackendError, NormlabWarning
+from normlab.registry import Backend
+from normlab.spec import FLOAT_DTYPES
+
+__all__ = ["main"]
+
+Handler = Callable[[argparse.Namespace, Console, list[str]], int]
+
+#: The worked example of the contract: mean 4, population variance 5.
+WORKED_EXAMPLE: Final = (1.0, 3.0, 5.0, 7.0)
+#: A Transformer activation: [batch, sequence, hidden].
+BATCH_SHAPE: Final = (8, 128, 768)
+#: Console width when stdout is not a terminal.
+PIPE_WIDTH: Final = 200
+#: Seconds of timed calls per batch of repeats in ``demo``.
+_TIMING_BATCH_S: Final = 0.02
+_TIMING_BATCHES: Final = 5
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    pytest_args: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, pytest_args = args[:cut], args[cut + 1 :]
+    parser = _parser()
+    ns = parser.parse_args(args)
+    if pytest_args and ns.command != "check":
+        parser.error("arguments after -- go to pytest; only 'check' takes them")
+    handler: Handler = ns.handler
+    return handler(ns, _console(), pytest_args)
+
+
+def _console() -> Console:
+    """A console for stdout; wide when writing to a file or pipe, so tables do not wrap."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PIPE_WIDTH)
+    return console
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="normlab", description="One correct, fast LayerNorm call on any array library."
+    )
+    parser.add_argument("--version", action="version", version=f"normlab {normlab.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = commands.add_parser("info", help="show every backend and whether it can run here")
+    info.set_defaults(handler=_info)
+    check = commands.add_parser(
+        "check",
+        help="run the conformance suite against one backend",
+        description="Run the conformance suite against backend NAME. Arguments after -- are "
+        "passed to pytest.",
+    )
+    check.add_argument("name", metavar="NAME", help="a backend name (see 'normlab info')")
+    check.add_argument(
+        "--profile",
+        choices=("ci", "full"),
+        default="ci",
+        help="ci: fast, the same cases every run (default); full: many more, new each run",
+    )
+    check.set_defaults(handler=_check)
+    kernels = commands.add_parser(
+        "kernels", help="compile the CUDA kernels with NVRTC and report registers and spills"
+    )
+    kernels.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
+    kernels.set_defaults(handler=_kernels)
+    demo = commands.add_parser(
+        "demo", help="run the worked example and a Transformer batch through every backend"
+    )
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _error(message: str) -> None:
+    Console(stderr=True).print(Text(f"normlab: {message}", style="bold red"), soft_wrap=True)
+
+
+# --------------------------------------------------------------------------------------------
+# info
+
+
+def _info(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Print the backend table, the plugin failures and the preference in force."""
+    _print_backends(console)
+    preference = dispatch.current_preference()
+    if preference is not None:
+        console.print(f"Preferred backend (use_backend / NORMLAB_BACKEND): {preference}")
+    return 0
+
+
+def _print_backends(console: Console) -> None:
+    with warnings.catch_warnings():  # plugin failures are shown in their own table
+        warnings.simplefilter("ignore", NormlabWarning)
+        backends = normlab.list_backends()
+        failures = normlab.plugin_failures()
+    console.print(_backend_table(backends))
+    if failures:
+        table = Table(title="Plugins that failed to load (skipped)", title_style="bold red")
+        for column in ("plugin", "source", "error"):
+            table.add_column(column)
+        for failure in failures:
+            table.add_row(Text(failure.plugin), Text(failure.source), Text(failure.error))
+        console.print(table)
+
+
+def _backend_table(backends: Iterable[Backend]) -> Table:
+    """A table of ``backends``: availability, library version, what each serves, its source."""
+    table = Table(
+        title="normlab backends",
+        caption="* served only when named: backend=NAME or use_backend(NAME)",
+    )
+    columns = ("backend", "status", "version", "families", "devices", "dtypes", "ops")
+    for column in (*columns, "capabilities", "priority", "provided by"):
+        table.add_column(column, justify="right" if column == "priority" else "left")
+    for b in backends:
+        reason = b.reason
+        status = Text("available", style="green")
+        if reason is not None:
+            status = Text(f"unavailable — {reason}", style="red")
+        families = sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
+        table.add_row(
+            Text(b.name, style="bold"),
+            status,
+            Text(b.version or "—"),
+            Text(", ".join(families)),
+            Text(", ".join(sorted(b.devices))),
+            Text(", ".join(_dtype_order(b.dtypes))),
+            Text(", ".join(sorted(b.ops))),
+            Text(", ".join(sorted(b.capabilities)) or "—"),
+            Text(str(b.priority)),
+            Text(b.provided_by),
+        )
+    return table
+
+
+def _dtype_order(dtypes: Iterable[str]) -> list[str]:
+    known = {name: i for i, name in enumerate(FLOAT_DTYPES)}
+    return sorted(dtypes, key=lambda d: (known.get(d, len(known)), d))
+
+
+# --------------------------------------------------------------------------------------------
+# check
+
+
+def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Run ``normlab.testing.check`` on one backend and return its exit status."""
+    try:
+        registry.get(ns.name)
+    except BackendError as exc:
+        _error(str(exc))
+        return 2
+    missing = [name for name in ("pytest", "hypothesis") if importlib.util.find_spec(name) is None]
+    if missing:
+        _error(f"the conformance suite needs {' and '.join(missing)}: pip install 'normlab[test]'")
+        return 2
+    from normlab import testing
+
+    return int(testing.check(ns.name, profile=ns.profile, extra_pytest_args=tuple(pytest_args)))
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+
+
+def _kernels(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Compile every CUDA kernel for ``--arch``; fail when one does not compile or spills."""
+    from normlab.backends import cuda_compile
+
+    try:
+        reports = cuda_compile.compile_all(ns.arch)
+        major, minor = cuda_compile.nvrtc_version()
+    except cuda_compile.CudaCompileError as exc:
+        _error(str(exc))
+        return 1
+    table = Table(title=f"CUDA kernels compiled with NVRTC {major}.{minor} for {ns.arch}")
+    for column in ("kernel", "arch", "registers", "stack (bytes)", "spills (bytes)", "result"):
+        table.add_column(column, justify="left" if column in ("kernel", "arch") else "right")
+    for r in reports:
+        result = Text("spills", style="red") if r.spills else Text("ok", style="green")
+        numbers = (str(r.registers), str(r.stack), str(r.spills))
+        table.add_row(Text(r.name), Text(r.arch), *(Text(n) for n in numbers), result)
+    console.print(table)
+    spilling = [r.name for r in reports if r.spills]
+    if spilling:
+        _error(f"registers spill to local memory in {', '.join(spilling)}")
+        return 1
+    if not reports:
+        _error("NVRTC reported no kernels")
+        return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# demo
+
+
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """One demo input as NumPy arrays (converted to each backend's family), and its answer."""
+
+    x: np.ndarray
+    weight: np.ndarray | None
+    bias: np.ndarray | None
+    expected: np.ndarray
+
+    @classmethod
+    def of(
+        cls, x: np.ndarray, weight: np.ndarray | None = None, bias: np.ndarray | None = None
+    ) -> _Case:
+        """The case of these arrays, answered by the float64 reference."""
+        return cls(x, weight, bias, reference.layer_norm(x, weight=weight, bias=bias)[0])
+
+    @property
+    def label(self) -> str:
+        affine = " with weight and bias" if self.weight is not None else ""
+        return f"{self.x.dtype} {list(self.x.shape)}{affine}"
+
+    @property
+    def bound(self) -> float:
+        """A sanity bound on the error (the conformance suite holds the real tolerances)."""
+        scale = max(1.0, float(np.abs(self.expected).max()))
+        return float(16 * np.finfo(self.x.dtype).eps * scale)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What one backend did with one case: its result and time per call, or what went wrong."""
+
+    array_type: str
+    y: np.ndarray | None = None
+    seconds: float | None = None
+    problem: str | None = None
+
+
+def _demo(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Run the worked example and Transformer-sized batches through every available backend."""
+    console.print(
+        f"normlab {normlab.__version__}: y = (x - mean) / sqrt(var + eps) * weight + bias, with "
+        "the mean and population variance of each row over the last axis; eps = 1e-5"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NormlabWarning)
+        backends = [b for b in normlab.list_backends() if b.available and "layer_norm" in b.ops]
+    failed = False
+
+    worked = _Case.of(np.array(WORKED_EXAMPLE, dtype=np.float32))
+    expected = _vector(worked.expected)
+    _heading(console, f"The worked example: layer_norm([1, 3, 5, 7]) ≈ {expected}")
+    table = Table()
+    for column in ("backend", "array", "y", "max |error|"):
+        table.add_column(column)
+    for b in backends:
+        outcome = _run(b, worked, timed=False)
+        failed |= not _fits(outcome, worked)
+        y = "—" if outcome.y is None else _vector(outcome.y)
+        table.add_row(
+            Text(b.name, style="bold"),
+            Text(outcome.array_type),
+            Text(y),
+            _error_cell(outcome, worked),
+        )
+    console.print(table)
+
+    _heading(console, f"A Transformer activation {list(BATCH_SHAPE)}: batch, sequence, hidden")
+    table = Table(
+        caption="error: max |y - reference| (float64 oracle); GB/s: bytes of x + y per second"
+    )
+    for column in ("backend", "array", "input", "max |error|", "time per call", "GB/s"):
+        table.add_column(column, justify="right" if column in ("time per call", "GB/s") else "left")
+    for case in _batch_cases():
+        for b in backends:
+            outcome = _run(b, case, timed=True)
+            failed |= not _fits(outcome, case)
+            rate = "—"
+            if outcome.seconds is not None:
+                rate = f"{2 * case.x.nbytes / outcome.seconds / 1e9:.1f}"
+            table.add_row(
+                Text(b.name, style="bold"),
+                Text(outcome.array_type),
+                Text(case.label),
+                _error_cell(outcome, case),
+                Text(_duration(outcome.seconds)),
+                Text(rate),
+            )
+    console.print(table)
+    console.print()
+    _print_backends(console)
+    if failed:
+        _error("some backends failed or exceeded the error bound (see the tables above)")
+    return 1 if failed else 0
+
+
+def _heading(console: Console, text: str) -> None:
+    console.print()
+    console.print(Text(text, style="bold"))
+
+
+def _vector(values: np.ndarray) -> str:
+    return "[" + ", ".join(f"{v:.3f}" for v in values.tolist()) + "]"
+
+
+def _batch_cases() -> list[_Case]:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(BATCH_SHAPE) * 2.0 + 0.5).astype(np.float32)
+    weight = (1.0 + 0.1 * rng.standard_normal(BATCH_SHAPE[-1])).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(BATCH_SHAPE[-1])).astype(np.float32)
+    # float16 x takes float32 weight and bias (the contract allows both x's dtype and float32).
+    return [_Case.of(x, weight, bias), _Case.of(x.astype(np.float16), weight, bias)]
+
+
+def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
+    """Convert ``case`` to the backend's family, call layer_norm through it, convert back."""
+    dtype = case.x.dtype.name
+    if dtype not in backend.dtypes:
+        return _Outcome("—", problem=f"does not serve {dtype}")
+    try:
+        x = backend.from_numpy(case.x)
+        kind = f"{arrays.family_of(x)}.{type(x).__qualname__}"
+        w = None if case.weight is None else backend.from_numpy(case.weight, like=x)
+        b = None if case.bias is None else backend.from_numpy(case.bias, like=x)
+
+        def call() -> Any:
+            return normlab.layer_norm(x, weight=w, bias=b, backend=backend.name)
+
+        seconds = _time_per_call(call, _synchronizer(x)) if timed else None
+        y = np.asarray(backend.to_numpy(call()), dtype=np.float64)
+    except Exception as exc:  # the demo reports a broken backend and goes on with the others
+        return _Outcome("—", problem=f"{type(exc).__name__}: {exc}")
+    return _Outcome(kind, y, seconds)
+
+
+def _fits(outcome: _Outcome, case: _Case) -> bool:
+    if outcome.problem is not None:
+        return outcome.problem.startswith("does not serve")
+    return outcome.y is not None and _max_error(outcome.y, case) <= case.bound
+
+
+def _max_error(y: np.ndarray, case: _Case) -> float:
+    return float(np.abs(y - case.expected).max())
+
+
+def _error_cell(outcome: _Outcome, case: _Case) -> Text:
+    if outcome.problem is not None:
+        style = "dim" if outcome.problem.startswith("does not serve") else "red"
+        return Text(outcome.problem, style=style)
+    assert outcome.y is not None
+    error = _max_error(outcome.y, case)
+    return Text(f"{error:.1e}", style="green" if error <= case.bound else "red")
+
+
+def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> float:
+    """Best mean time of a few batches of calls, after one warm-up call (JIT, caches)."""
+    call()
+    synchronize()
+    start = time.perf_counter()
+    call()
+    synchronize()
+    once = max(time.perf_counter() - start, 1e-7)
+    repeats = max(1, int(_TIMING_BATCH_S / once))
+    best = float("inf")
+    for _ in range(_TIMING_BATCHES):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def _synchronizer(x: Any) -> Callable[[], None]:
+    """A function that waits for the work queued on ``x``'s device (nothing on the CPU)."""
+    family = arrays.family_of(x)
+    if arrays.info(x).device_kind == "cpu":
+        return lambda: None
+    if family == "cupy":
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+    elif family == "torch":
+        import torch
+
+        stream = torch.cuda.current_stream(x.device)
+    else:
+        raise NotImplementedError(f"the demo cannot time {family} arrays on a device")
+
+    def synchronize() -> None:
+        stream.synchronize()
+
+    return synchronize
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e3:.2f} ms"

@@ -1,0 +1,93 @@
+"""Sessions for tests, lint, types, docs, benchmarks and the demo: ``python3 -m nox -l`` lists them.
+
+``python3 -m nox`` alone runs the checks CI runs (see README.md). Each session installs what it
+needs into its own virtualenv, with the interpreter that runs nox, and keeps Numba's cache in
+its own temporary folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+#: What ``python3 -m nox`` runs: the checks of CI.
+nox.options.sessions = ["lint", "types", "tests-numpy", "tests-all", "docs"]
+
+LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "noxfile.py")
+EXAMPLE_PLUGIN = "./plugins/normlab-example"
+RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+
+
+def _isolate(session: nox.Session) -> None:
+    """Point Numba's and NVRTC's caches (and TMPDIR) at this session's own temporary folder."""
+    tmp = Path(session.create_tmp())
+    session.env["NUMBA_CACHE_DIR"] = str(tmp / "numba-cache")
+    session.env["NORMLAB_CACHE_DIR"] = str(tmp / "cuda-cache")
+
+
+@nox.session(name="tests-numpy")
+def tests_numpy(session: nox.Session) -> None:
+    """The tests with NumPy only: whatever needs torch, numba or cupy skips, saying why."""
+    _isolate(session)
+    session.install(".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(name="tests-all")
+def tests_all(session: nox.Session) -> None:
+    """The tests with every backend library and the example plugin installed."""
+    _isolate(session)
+    session.install(".[test,numba,torch,cupy,bfloat16]", EXAMPLE_PLUGIN)
+    session.run("pytest", "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install(RUFF)
+    session.run("ruff", "check", *LINT_PATHS)
+    session.run("ruff", "format", "--check", *LINT_PATHS)
+
+
+@nox.session
+def types(session: nox.Session) -> None:
+    """mypy, strict, on the normlab package."""
+    session.install(MYPY, ".[test]")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the site strictly (its generated examples run), then test every code example."""
+    _isolate(session)
+    session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2.0
+    session.install(".[docs,numba]", "pytest", RUFF)  # ruff formats the API signatures
+    site = Path(session.create_tmp()) / "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    session.run("pytest", "tests/test_docs.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The full benchmark matrix."""
+    _isolate(session)
+    session.install(".[bench,numba,torch,bfloat16]")
+    session.run("python", "benchmarks/run.py", "--full", *session.posargs)
+
+
+@nox.session(name="bench-quick")
+def bench_quick(session: nox.Session) -> None:
+    """A quick pass over the benchmark matrix."""
+    _isolate(session)
+    session.install(".[bench,numba,torch,bfloat16]")
+    session.run("python", "benchmarks/run.py", "--quick", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The worked example and a Transformer batch through every available backend."""
+    _isolate(session)
+    session.install(".[numba,torch,bfloat16]")
+    session.run("python", "-m", "normlab", "demo")

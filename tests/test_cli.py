@@ -1,0 +1,237 @@
+"""The ``normlab`` command: info, check, kernels, demo, and ``python -m normlab``."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+
+import pytest
+
+import normlab
+from normlab import cli
+
+#: The folder that holds the normlab package under test, for child processes.
+PACKAGE_PARENT = Path(normlab.__file__).resolve().parent.parent
+
+
+def _python_m_normlab(
+    *args: str, path: Path | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m normlab ARGS`` in a child process with a wide console."""
+    paths = [str(PACKAGE_PARENT)] + ([str(path)] if path is not None else [])
+    child_env = dict(os.environ, COLUMNS="1000", PYTHONPATH=os.pathsep.join(paths), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "normlab", *args],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture
+def wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables as wide as their content, so cells do not wrap in the captured output."""
+    monkeypatch.setenv("COLUMNS", "1000")
+
+
+class _Plugin:
+    """A plugin object whose hook returns the records it was given."""
+
+    def __init__(self, records: list[normlab.BackendRecord]) -> None:
+        self.records = records
+
+    @normlab.hookimpl
+    def normlab_backends(self) -> list[normlab.BackendRecord]:
+        return self.records
+
+
+def _failing_check() -> str | None:
+    raise RuntimeError("the probe exploded")
+
+
+@pytest.fixture
+def sick_backends() -> Iterator[None]:
+    """Two extra backends: one unavailable with a reason, one whose check raises."""
+    absent = normlab.BackendRecord(
+        name="cli_absent",
+        module="no_such_module",
+        families=frozenset({"numpy"}),
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({"float32"}),
+        priority=-5,
+        check=lambda: "no frobnicator here",
+    )
+    plugin = _Plugin([absent, dataclasses.replace(absent, name="cli_broken", check=_failing_check)])
+    normlab.register_plugin(plugin, name="test_cli_sick")
+    yield
+    normlab.unregister_plugin(plugin)
+
+
+def test_info_lists_every_backend(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    for backend in normlab.list_backends():
+        assert backend.name in out
+        assert backend.provided_by in out
+    assert "built-in" in out
+    numpy_row = next(line for line in out.splitlines() if "│ numpy " in line)
+    assert "available" in numpy_row
+    assert "unavailable" not in numpy_row
+    assert "float16, bfloat16, float32, float64" in numpy_row
+
+
+def test_info_marks_explicit_families(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info"]) == 0
+    numba_row = next(line for line in capsys.readouterr().out.splitlines() if "│ numba " in line)
+    assert "numpy, torch*" in numba_row
+
+
+def test_info_survives_failing_checks(
+    wide: None, sick_backends: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "unavailable — no frobnicator here" in out
+    assert "unavailable — availability check raised RuntimeError: the probe exploded" in out
+    assert "register_plugin(test_cli_sick)" in out
+
+
+def test_info_says_why_cupy_is_unavailable_without_a_gpu(
+    wide: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cupy = next(b for b in normlab.list_backends() if b.name == "cupy")
+    if cupy.available:
+        pytest.skip("a CUDA device is present: cupy is available")
+    assert cli.main(["info"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "│ cupy " in line)
+    assert f"unavailable — {cupy.reason}"[:40] in row
+
+
+def test_info_shows_plugin_failures(tmp_path: Path) -> None:
+    (tmp_path / "cli_plugin_raises.py").write_text(
+        textwrap.dedent(
+            """
+            import normlab
+
+            @normlab.hookimpl
+            def normlab_backends():
+                raise RuntimeError("no records today")
+            """
+        )
+    )
+    result = _python_m_normlab(
+        "info", path=tmp_path, NORMLAB_PLUGINS="cli_plugin_raises,cli_plugin_missing"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Plugins that failed to load" in result.stdout
+    assert "no records today" in result.stdout
+    assert "cli_plugin_missing" in result.stdout
+    assert "ModuleNotFoundError" in result.stdout
+    assert "NormlabWarning" not in result.stderr  # shown once, in the table
+
+
+def test_check_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "no_such_backend"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_backend" in err
+    for backend in normlab.list_backends():
+        assert backend.name in err
+
+
+def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    import normlab.testing
+
+    calls = []
+
+    def fake_check(
+        backend_name: str, *, profile: str = "ci", extra_pytest_args: tuple[str, ...] = ()
+    ) -> int:
+        calls.append((backend_name, profile, extra_pytest_args))
+        return 7
+
+    monkeypatch.setattr(normlab.testing, "check", fake_check)
+    assert cli.main(["check", "numpy", "--profile", "full", "--", "-x", "-k", "offset"]) == 7
+    assert cli.main(["check", "numpy"]) == 7
+    assert calls == [("numpy", "full", ("-x", "-k", "offset")), ("numpy", "ci", ())]
+
+
+def test_check_needs_the_test_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    find_spec = importlib.util.find_spec
+
+    def without_hypothesis(name: str, package: str | None = None) -> ModuleSpec | None:
+        return None if name == "hypothesis" else find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_hypothesis)
+    assert cli.main(["check", "numpy"]) == 2
+    assert "needs hypothesis: pip install 'normlab[test]'" in capsys.readouterr().err
+
+
+def test_pytest_args_only_for_check(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["info", "--", "-x"])
+    assert exc.value.code == 2
+    assert "only 'check'" in capsys.readouterr().err
+
+
+def test_a_command_is_required() -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([])
+    assert exc.value.code == 2
+
+
+def test_kernels(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+    cuda_compile = pytest.importorskip("normlab.backends.cuda_compile")
+    problem = cuda_compile.nvrtc_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    status = cli.main(["kernels", "--arch", "sm_90"])
+    out = capsys.readouterr().out
+    reports = cuda_compile.compile_all("sm_90")  # from the cache the command filled
+    for report in reports:
+        assert f"│ {report.name} " in out
+    assert status == (1 if any(r.spills for r in reports) else 0)
+
+
+def test_kernels_reports_a_compile_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cuda_compile = pytest.importorskip("normlab.backends.cuda_compile")
+
+    def fail(arch: str) -> list[object]:
+        raise cuda_compile.CudaCompileError(f"layer_norm.cu(12): error: nonsense for {arch}")
+
+    monkeypatch.setattr(cuda_compile, "compile_all", fail)
+    assert cli.main(["kernels", "--arch", "sm_80"]) == 1
+    assert "layer_norm.cu(12): error: nonsense for sm_80" in capsys.readouterr().err
+
+
+def test_demo(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "[-1.342, -0.447, 0.447, 1.342]" in out
+    assert "float32 [8, 128, 768]" in out
+    assert "float16 [8, 128, 768]" in out
+    for backend in normlab.list_backends():
+        if backend.available:
+            rows = [line for line in out.splitlines() if line.startswith(f"│ {backend.name} ")]
+            assert len(rows) >= 3, backend.name  # the worked example and both batches
+
+
+def test_python_m_normlab() -> None:
+    version = _python_m_normlab("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"normlab {normlab.__version__}"
+    info = _python_m_normlab("info")
+    assert info.returncode == 0, info.stderr
+    assert "normlab backends" in info.stdout
