@@ -14,10 +14,19 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["ArrayInfo", "Inspector", "family_of", "info", "inspector", "is_array"]
+__all__ = [
+    "ArrayInfo",
+    "Inspector",
+    "comparable_devices",
+    "family_of",
+    "info",
+    "inspector",
+    "is_array",
+]
 
 KNOWN_FAMILIES: Final = ("numpy", "torch", "cupy", "jax", "dask")
 _MODULE_ALIASES: Final = {"jaxlib": "jax"}
+_MAX_TYPES: Final = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,34 +186,116 @@ class CupyInspector(Inspector):
         return int(x.data.ptr)
 
 
+class JaxInspector(Inspector):
+    """JAX arrays: immutable, no strides; a tracer (inside ``jit``/``grad``/``vmap``) has no
+    concrete device and is named ``"<kind>:traced"``, a sharded array ``"<kind>:sharded"``."""
+
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, x.shape, self._device(x))
+
+    def info(self, x: Any) -> ArrayInfo:
+        device = self._device(x)
+        return ArrayInfo(
+            family="jax",
+            type_name=self.type_name,
+            dtype=_dtype_name(x.dtype),
+            shape=tuple(x.shape),
+            strides=None,
+            itemsize=x.dtype.itemsize,
+            device=device,
+            device_kind=device.split(":")[0],
+            writeable=False,
+        )
+
+    def _device(self, x: Any) -> str:
+        try:
+            devices = x.devices()
+        except Exception:  # a tracer: placement is decided by JAX when it runs
+            import jax
+
+            return f"{_platform_kind(jax.default_backend())}:traced"
+        if len(devices) != 1:
+            return f"{_platform_kind(next(iter(devices)).platform)}:sharded"
+        device = next(iter(devices))
+        return f"{_platform_kind(device.platform)}:{device.id}"
+
+
+class DaskInspector(Inspector):
+    """Dask arrays: lazy, immutable; the device is that of the chunk type (``_meta``)."""
+
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, x.shape, type(getattr(x, "_meta", None)))
+
+    def info(self, x: Any) -> ArrayInfo:
+        chunk_family = _family_of_type(type(getattr(x, "_meta", None)))
+        device = "cuda" if chunk_family == "cupy" else "cpu"
+        return ArrayInfo(
+            family="dask",
+            type_name=self.type_name,
+            dtype=_dtype_name(x.dtype),
+            shape=tuple(x.shape),
+            strides=None,
+            itemsize=x.dtype.itemsize,
+            device=device,
+            device_kind=device,
+            writeable=False,
+        )
+
+
+def _platform_kind(platform: str) -> str:
+    return "cuda" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def comparable_devices(a: str, b: str) -> bool:
+    """Whether arrays on devices ``a`` and ``b`` may be used together: the same device, or a
+    device that is only known when the computation runs (a JAX tracer or a sharded array)."""
+    if a == b:
+        return True
+    unknown = (":traced", ":sharded")
+    return a.split(":")[0] == b.split(":")[0] and (a.endswith(unknown) or b.endswith(unknown))
+
+
 _INSPECTORS: Final[dict[str, type[Inspector]]] = {
     "numpy": NumpyInspector,
     "torch": TorchInspector,
     "cupy": CupyInspector,
+    "jax": JaxInspector,
+    "dask": DaskInspector,
 }
 
 
-@functools.lru_cache(maxsize=512)
-def _family_of_type(array_type: type) -> str:
+@functools.lru_cache(maxsize=_MAX_TYPES)
+def _family_of_type(array_type: Any) -> str:
     for cls in array_type.__mro__:
-        root = cls.__module__.split(".")[0]
-        root = _MODULE_ALIASES.get(root, root)
+        root = _root_module(cls)
         if root in KNOWN_FAMILIES:
             return root
-    root = array_type.__module__.split(".")[0]
+    return _root_module(array_type)
+
+
+def _root_module(cls: type) -> str:
+    root = str(cls.__module__).split(".")[0]
     return _MODULE_ALIASES.get(root, root)
 
 
 def family_of(x: Any) -> str:
     """The array library ``x`` belongs to, by module name (``"numpy"``, ``"torch"``, …)."""
-    return _family_of_type(type(x))
+    return inspector(type(x)).family
 
 
-@functools.lru_cache(maxsize=512)
+_by_type: dict[type, Inspector] = {}
+
+
 def inspector(array_type: type) -> Inspector:
-    """The cached :class:`Inspector` for arrays of ``array_type``."""
-    family = _family_of_type(array_type)
-    return _INSPECTORS.get(family, Inspector)(array_type, family)
+    """The :class:`Inspector` for arrays of ``array_type`` (one per type, cached)."""
+    found = _by_type.get(array_type)
+    if found is None:
+        family = _family_of_type(array_type)
+        found = _INSPECTORS.get(family, Inspector)(array_type, family)
+        if len(_by_type) >= _MAX_TYPES:
+            _by_type.clear()
+        _by_type[array_type] = found
+    return found
 
 
 def info(x: Any) -> ArrayInfo:

@@ -90,7 +90,10 @@ def clear_caches() -> None:
 
 
 def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
-    """Why ``backend`` cannot serve ``plan`` (``None`` when it can). ``named``: the caller named it."""
+    """Why ``backend`` cannot serve ``plan`` (``None`` when it can).
+
+    ``named``: the caller named this backend (``backend=`` or a preference).
+    """
     if plan.op not in backend.ops:
         return f"does not provide {plan.op}"
     families = backend.families | (backend.explicit_families if named else frozenset())
@@ -98,7 +101,9 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
         served = ", ".join(sorted(backend.families))
         extra = ""
         if plan.family in backend.explicit_families:
-            extra = f"; it serves {plan.family} arrays only when named with backend={backend.name!r}"
+            extra = (
+                f"; it serves {plan.family} arrays only when named with backend={backend.name!r}"
+            )
         return f"serves {served} arrays, not {plan.family}{extra}"
     if plan.device_kind not in backend.devices:
         return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"
@@ -139,8 +144,11 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
         backend = registry.get(preference)
         why = refusal(backend, plan, named=True)
         if why is None:
-            return Choice(backend, "preferred (use_backend / NORMLAB_BACKEND)",
-                          (f"{preference}: preferred and able to serve",))
+            return Choice(
+                backend,
+                "preferred (use_backend / NORMLAB_BACKEND)",
+                (f"{preference}: preferred and able to serve",),
+            )
         notes.append(f"{preference}: preferred but it {why}; falling back to priority")
     chosen: Backend | None = None
     for backend in registry.list_backends():
@@ -149,11 +157,14 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
             notes.append(f"{backend.name} (priority {backend.priority}): {why}")
         elif chosen is None:
             chosen = backend
-            notes.append(f"{backend.name} (priority {backend.priority}): chosen, highest priority "
-                         "able to serve")
+            notes.append(
+                f"{backend.name} (priority {backend.priority}): chosen, highest priority "
+                "able to serve"
+            )
         else:
-            notes.append(f"{backend.name} (priority {backend.priority}): able to serve, lower "
-                         "priority")
+            notes.append(
+                f"{backend.name} (priority {backend.priority}): able to serve, lower priority"
+            )
     if chosen is None:
         raise BackendError(
             f"no backend can serve a {plan.family} array of {plan.dtype} on {plan.device} for "

@@ -21,9 +21,16 @@ The module named by a record defines, for each op in ``ops``, a function of that
         Returns (y, mean, rstd): y 2-D in x's dtype (``out`` itself when given); mean and rstd
         1-D (plan.rows,) in plan.stats_dtype when plan.return_stats, else None.'''
 
-plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray, like=None)`` (the
-conformance suite drives every backend through these two; ``like`` is an array whose device
-the result should share).
+and, for ``rms_norm``, the same signature with ``bias`` always None, returning
+``(y, None, rstd)``; plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray,
+like=None)`` (the conformance suite drives every backend through these two; ``like`` is an
+array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
+that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
+
+The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend reads
+``op``, ``rows``, ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``,
+``return_stats``, ``weight_dtype``, ``bias_dtype``, and for context ``shape``, ``axes`` and
+``normalized_shape`` (the caller's view of the call).
 """
 
 from __future__ import annotations

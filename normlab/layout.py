@@ -168,8 +168,8 @@ def _same_memory(x: Any, out: Any, plan: Plan) -> bool:
 def _extent(start: int, info: arrays.ArrayInfo) -> tuple[int, int]:
     if info.strides is None:
         return (start, start)
-    low = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s < 0 and n > 0)
-    high = sum((n - 1) * s for n, s in zip(info.shape, info.strides) if s > 0 and n > 0)
+    spans = [(n - 1) * s for n, s in zip(info.shape, info.strides, strict=True) if n > 0]
+    low, high = sum(s for s in spans if s < 0), sum(s for s in spans if s > 0)
     return (start + low * info.itemsize, start + (high + 1) * info.itemsize)
 
 

@@ -56,7 +56,8 @@ def layer_norm(
         y = y * to_float64(weight).reshape(1, -1)
     if bias is not None:
         y = y + to_float64(bias).reshape(1, -1)
-    return restore(y, mean, rstd)
+    result: tuple[np.ndarray, np.ndarray, np.ndarray] = restore(y, mean, rstd)
+    return result
 
 
 def rms_norm(
@@ -93,7 +94,9 @@ def _rows(x64: np.ndarray, normalized_shape: Any, axis: Any) -> tuple[np.ndarray
     inverse = tuple(int(i) for i in np.argsort(batch + axes))
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(x64.shape))
 
-    def restore(y: np.ndarray, mean: np.ndarray, rstd: np.ndarray) -> tuple[Any, Any, Any]:
+    def restore(
+        y: np.ndarray, mean: np.ndarray, rstd: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         y_full = np.ascontiguousarray(y.reshape(permuted_shape).transpose(inverse))
         return y_full, mean.reshape(stats_shape), rstd.reshape(stats_shape)
 

@@ -13,6 +13,7 @@ and skipped. A backend name already taken is refused with an error naming both s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -67,15 +68,41 @@ class Backend:
         state = "available" if self.available else f"unavailable: {self.reason}"
         return f"<Backend {self.name!r} ({state}) from {self.provided_by}>"
 
-    name = property(lambda self: self.record.name)
-    families = property(lambda self: self.record.families)
-    explicit_families = property(lambda self: self.record.explicit_families)
-    devices = property(lambda self: self.record.devices)
-    dtypes = property(lambda self: self.record.dtypes)
-    ops = property(lambda self: self.record.ops)
-    capabilities = property(lambda self: self.record.capabilities)
-    priority = property(lambda self: self.record.priority)
-    description = property(lambda self: self.record.description)
+    @property
+    def name(self) -> str:
+        return self.record.name
+
+    @property
+    def families(self) -> frozenset[str]:
+        return self.record.families
+
+    @property
+    def explicit_families(self) -> frozenset[str]:
+        return self.record.explicit_families
+
+    @property
+    def devices(self) -> frozenset[str]:
+        return self.record.devices
+
+    @property
+    def dtypes(self) -> frozenset[str]:
+        return self.record.dtypes
+
+    @property
+    def ops(self) -> frozenset[str]:
+        return self.record.ops
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return self.record.capabilities
+
+    @property
+    def priority(self) -> int:
+        return self.record.priority
+
+    @property
+    def description(self) -> str:
+        return self.record.description
 
     @property
     def available(self) -> bool:
@@ -157,13 +184,18 @@ class Registry:
 
         self.register(builtin, source=BUILTIN, name="normlab.backends")
         for module_name in _env_list("NORMLAB_PLUGINS"):
-            self._register_safely(lambda m=module_name: importlib.import_module(m), module_name,
-                                  f"NORMLAB_PLUGINS ({module_name})")
+            self._register_safely(
+                functools.partial(importlib.import_module, module_name),
+                module_name,
+                f"NORMLAB_PLUGINS ({module_name})",
+            )
         if os.environ.get("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
             return
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist
-            source = f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+            source = (
+                f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+            )
             self._register_safely(ep.load, ep.name, source)
 
     def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
@@ -209,8 +241,7 @@ class Registry:
                 result = impl.function()
             except Exception as exc:
                 raise BackendError(
-                    f"plugin {plugin_name!r}: normlab_backends() raised "
-                    f"{type(exc).__name__}: {exc}"
+                    f"plugin {plugin_name!r}: normlab_backends() raised {type(exc).__name__}: {exc}"
                 ) from exc
             if not isinstance(result, Iterable):
                 raise BackendError(
@@ -326,8 +357,9 @@ def register_plugin(plugin: Any, name: str | None = None) -> list[Backend]:
 
     Raises BackendError if it is malformed or a backend name is taken (nothing is registered).
     """
-    return registry().register(plugin, source=f"register_plugin({name or _name_of(plugin)})",
-                               name=name)
+    return registry().register(
+        plugin, source=f"register_plugin({name or _name_of(plugin)})", name=name
+    )
 
 
 def unregister_plugin(plugin: Any) -> None:

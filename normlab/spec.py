@@ -9,12 +9,13 @@ never re-check.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from normlab import arrays
 from normlab.arrays import ArrayInfo
@@ -81,7 +82,7 @@ class Plan:
     out_strides: tuple[int, int] | None
     out_stats: tuple[bool, bool]
     dispatch_key: tuple[Any, ...]
-    routes: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def has_weight(self) -> bool:
@@ -133,14 +134,13 @@ def _collapsed_stride(dims: list[tuple[int, int]], default: int) -> int | None:
     dims = [(n, s) for n, s in dims if n != 1]
     if not dims:
         return default
-    for (_, outer), (inner_n, inner) in zip(dims, dims[1:]):
+    for (_, outer), (inner_n, inner) in itertools.pairwise(dims):
         if outer != inner * inner_n:
             return None
     return dims[-1][1]
 
 
 _cache: dict[tuple[Any, ...], Plan] = {}
-_inspectors: dict[type, arrays.Inspector] = {}
 
 
 def plan(
@@ -161,7 +161,7 @@ def plan(
         key = (
             op,
             array_type,
-            (_inspectors.get(array_type) or arrays.inspector(array_type)).key(x),
+            arrays.inspector(array_type).key(x),
             normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
             axis if axis is None else _dims_key(axis),
             None if weight is None else _param_key(weight),
@@ -182,7 +182,6 @@ def plan(
         if len(_cache) >= _PLAN_CACHE_SIZE:
             _cache.clear()
         _cache[key] = result
-        _inspectors[type(x)] = arrays.inspector(type(x))
     return result
 
 
@@ -234,7 +233,7 @@ def _validate(
     xi = _array_info("x", x)
     _check_float("x", xi)
     if xi.ndim == 0:
-        raise ShapeError("x is 0-d (a scalar); layer_norm needs at least one axis to normalize over")
+        raise ShapeError(f"x is 0-d (a scalar); {op} needs at least one axis to normalize over")
     axes = _normalized_axes(xi.shape, normalized_shape, axis)
     batch_axes = tuple(a for a in range(xi.ndim) if a not in axes)
     norm_shape = tuple(xi.shape[a] for a in axes)
@@ -243,17 +242,12 @@ def _validate(
     if op == "rms_norm" and bias is not None:
         raise ArgumentError("rms_norm takes no bias (y = x / sqrt(mean(x^2) + eps) * weight)")
     bias_dtype = _check_param("bias", bias, xi, norm_shape)
-    if op == "rms_norm" and eps is None:
-        eps_value = MACHINE_EPS[xi.dtype]
-    else:
-        eps_value = _check_eps(eps)
+    default_eps = op == "rms_norm" and eps is None
+    eps_value = MACHINE_EPS[xi.dtype] if default_eps else _check_eps(eps)
     if not isinstance(return_stats, bool):
         raise ArgumentError(f"return_stats must be True or False, got {return_stats!r}")
     permutation = batch_axes + axes
-    if permutation == tuple(range(xi.ndim)):
-        permutation_or_none = None
-    else:
-        permutation_or_none = permutation
+    permutation_or_none = None if permutation == tuple(range(xi.ndim)) else permutation
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
     out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute, op)
     out_strides = None
@@ -320,7 +314,7 @@ def _as_int_tuple(name: str, value: Any) -> tuple[int, ...]:
     try:
         if any(isinstance(v, bool) for v in items):
             raise TypeError
-        return tuple(operator.index(v) for v in items)
+        return tuple(operator.index(v) for v in cast("Sequence[Any]", items))
     except TypeError:
         raise ArgumentError(f"{name} must be an int or a tuple of ints, got {value!r}") from None
 
@@ -365,7 +359,7 @@ def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) 
             f"{name} is a {pi.type_name} but x is a {xi.type_name}; pass {name} from the same "
             f"array library as x (normlab never converts between libraries)"
         )
-    if pi.device != xi.device:
+    if not arrays.comparable_devices(pi.device, xi.device):
         raise DeviceError(f"{name} is on device {pi.device} but x is on {xi.device}")
     allowed = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
     if pi.masked or pi.dtype not in allowed:
@@ -403,7 +397,8 @@ def split_out(op: str, out: Any) -> tuple[Any, Any, Any]:
     if op == "rms_norm":
         y_out, rstd_out = out
         return y_out, None, rstd_out
-    return out  # type: ignore[return-value]
+    y_out, mean_out, rstd_out = out
+    return y_out, mean_out, rstd_out
 
 
 def _check_out(
@@ -425,7 +420,9 @@ def _check_out(
             )
     y_out, mean_out, rstd_out = split_out(op, out)
     if xi.requires_grad:
-        raise ArgumentError("out= cannot be used when x requires grad (the result would be detached)")
+        raise ArgumentError(
+            "out= cannot be used when x requires grad (the result would be detached)"
+        )
     yi = None
     if y_out is not None:
         yi = _check_out_array("out", y_out, xi, xi.shape, xi.dtype)
@@ -441,16 +438,17 @@ def _check_out_array(
     oi = _array_info(name, o)
     if oi.family != xi.family:
         raise DeviceError(f"{name} is a {oi.type_name} but x is a {xi.type_name}")
-    if oi.device != xi.device:
+    if not arrays.comparable_devices(oi.device, xi.device):
         raise DeviceError(f"{name} is on device {oi.device} but x is on {xi.device}")
     if oi.masked or oi.dtype != dtype:
         raise DtypeError(f"{name} has dtype {oi.dtype}; it must be {dtype}")
     if oi.shape != shape:
         raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
     if not oi.writeable:
-        raise ArgumentError(f"{name} is read-only")
+        immutable = " (its array library has immutable arrays)" if oi.strides is None else ""
+        raise ArgumentError(f"{name} is read-only{immutable}")
     zero_stride = oi.strides is not None and any(
-        s == 0 and n > 1 for s, n in zip(oi.strides, oi.shape)
+        s == 0 and n > 1 for s, n in zip(oi.strides, oi.shape, strict=True)
     )
     if zero_stride and math.prod(oi.shape) > 0:
         raise ArgumentError(f"{name} has a zero stride (a broadcast view); its elements overlap")

@@ -33,7 +33,11 @@ _TORCH_DTYPES = {
 
 
 def layer_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *, plan: Plan,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    plan: Plan,
     out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Normalize each row of the 2-D tensor ``x``; see :mod:`normlab.hookspecs`."""
@@ -50,7 +54,12 @@ def layer_norm(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: None, *, plan: Plan, out: Any = None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: Any = None,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
     """``torch.nn.functional.rms_norm`` on the 2-D ``x``; rstd recomputed in float32/64."""
     if weight is not None and weight.dtype != x.dtype:  # float32 weight, half x: widen x
@@ -70,8 +79,10 @@ def to_numpy(a: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-    return t.numpy().copy()
+        bits: np.ndarray = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        return bits
+    values: np.ndarray = t.numpy().copy()
+    return values
 
 
 def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,8 +102,14 @@ def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def layer_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-    weight: torch.Tensor | None, *, plan: Plan, needs: frozenset[str],
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    plan: Plan,
+    needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂``, ``dbias = Σ dy``
     with ``x̂ = (x - mean) * rstd``, ``g = dy * weight``; see :mod:`normlab.backward`."""
@@ -100,8 +117,13 @@ def layer_norm_backward(
 
 
 def rms_norm_backward(
-    dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None, *,
-    plan: Plan, needs: frozenset[str],
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    *,
+    plan: Plan,
+    needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``dx = rstd * (g - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂`` with ``x̂ = x * rstd``."""
     dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
@@ -109,8 +131,13 @@ def rms_norm_backward(
 
 
 def _backward(
-    dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
-    weight: torch.Tensor | None, plan: Plan, needs: frozenset[str],
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    plan: Plan,
+    needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Both backward ops (``mean`` None: RMSNorm); ``x̂ = (x - mean - r) * rstd`` with
     ``r = mean(x - mean)``, the residual of a rounded mean."""

@@ -195,7 +195,6 @@ def test_explain_lines() -> None:
     assert "no rechunk" in lines[0] and "4 normlab task(s)" in lines[1]
 
 
-@pytest.mark.xfail(strict=True, reason="normlab.explain does not ask the backend for notes yet")
 def test_explain_shows_the_rechunk() -> None:
     x = da.ones((8, 6, 10), chunks=(2, 6, 5))
     assert "rechunked so that each row is whole" in normlab.explain(x)
