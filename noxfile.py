@@ -12,7 +12,16 @@ from pathlib import Path
 import nox
 
 #: What ``python3 -m nox`` runs: the checks of CI.
-nox.options.sessions = ["lint", "types", "tests-numpy", "tests-all", "docs"]
+nox.options.sessions = [
+    "lint",
+    "types",
+    "tests-numpy",
+    "tests-all",
+    "plugin-jax",
+    "plugin-dask",
+    "docs",
+    "bench-quick",
+]
 
 LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "noxfile.py")
 EXAMPLE_PLUGIN = "./plugins/normlab-example"
@@ -41,6 +50,22 @@ def tests_all(session: nox.Session) -> None:
     _isolate(session)
     session.install(".[test,numba,torch,cupy,bfloat16]", EXAMPLE_PLUGIN)
     session.run("pytest", "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
+
+
+@nox.session(name="plugin-jax")
+def plugin_jax(session: nox.Session) -> None:
+    """The normlab-jax plugin, installed as a user would: its tests, the conformance suite too."""
+    _isolate(session)
+    session.install(".[test]", "./plugins/normlab-jax[test]")
+    session.run("pytest", "plugins/normlab-jax", *session.posargs)
+
+
+@nox.session(name="plugin-dask")
+def plugin_dask(session: nox.Session) -> None:
+    """The normlab-dask plugin: its tests on a 2-process LocalCluster, the suite included."""
+    _isolate(session)
+    session.install(".[test,numba]", "./plugins/normlab-dask[test]")
+    session.run("pytest", "plugins/normlab-dask", *session.posargs)
 
 
 @nox.session
