@@ -149,20 +149,34 @@ def _flat(p: Any, plan: Plan) -> Any:
 
 def _same_memory(x: Any, out: Any, plan: Plan) -> bool:
     """True when ``out`` is exactly ``x``'s memory; ArgumentError on a partial overlap."""
+    if out is x:
+        return True
+    if plan.family == "numpy":
+        np = sys.modules["numpy"]
+        if not np.may_share_memory(x, out):  # bounds only: cheap
+            return False
+        same_start = x.__array_interface__["data"][0] == out.__array_interface__["data"][0]
+        if same_start and x.strides == out.strides:
+            return True
+        if not np.shares_memory(x, out):
+            return False
+        raise _partial_overlap()
     inspector = arrays.inspector(type(x))
     start_x, start_o = inspector.address(x), arrays.inspector(type(out)).address(out)
     if start_x is None or start_o is None:
-        return out is x
+        return False
     xi, oi = inspector.info(x), arrays.inspector(type(out)).info(out)
     if start_x == start_o and xi.strides == oi.strides:
         return True
-    if _extent(start_x, xi) and _overlaps(_extent(start_x, xi), _extent(start_o, oi)):
-        if plan.family == "numpy" and not sys.modules["numpy"].shares_memory(x, out):
-            return False
-        raise ArgumentError(
-            "out partially overlaps x; pass out=x for an in-place call or a separate array"
-        )
+    if _overlaps(_extent(start_x, xi), _extent(start_o, oi)):
+        raise _partial_overlap()
     return False
+
+
+def _partial_overlap() -> ArgumentError:
+    return ArgumentError(
+        "out partially overlaps x; pass out=x for an in-place call or a separate array"
+    )
 
 
 def _extent(start: int, info: arrays.ArrayInfo) -> tuple[int, int]:

@@ -1,9 +1,11 @@
 """The PyTorch backend: ``torch.nn.functional.layer_norm`` on CPU and CUDA, autograd kept.
 
-float16/bfloat16 rows are widened to float32 before torch's kernel (torch's own half-precision
-CPU kernel does not give exactly ``bias`` on constant rows) and rounded once at the end.
-Statistics for ``return_stats`` come from ``torch.native_layer_norm`` (the values that produced
-``y``).
+This backend is torch's own kernel, with torch's numerics: for float16/bfloat16 it accumulates
+in float32 and rounds once, but a constant half-precision row gives ``bias`` only to within a
+float16 rounding (torch's vectorised statistics), not exactly as normlab's own kernels do;
+the conformance run records that deviation. Statistics for ``return_stats`` come from
+``torch.native_layer_norm`` (the values that produced ``y``), recomputed in float32 where a
+device returns them in a half type.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from normlab.backward import ROW_CHUNK
 from normlab.spec import Plan
 
 __all__ = [
@@ -41,16 +44,17 @@ def layer_norm(
     out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Normalize each row of the 2-D tensor ``x``; see :mod:`normlab.hookspecs`."""
-    compute = _TORCH_DTYPES[plan.compute_dtype]
-    wide = x.to(compute)
-    weight = None if weight is None else weight.to(compute)
-    bias = None if bias is None else bias.to(compute)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        weight, bias = weight.float(), bias.float()  # torch wants one parameter dtype
     shape = (plan.cols,)
     if not plan.return_stats:
-        y = torch.nn.functional.layer_norm(wide, shape, weight, bias, plan.eps)
-        return y.to(x.dtype), None, None
-    y, mean, rstd = torch.native_layer_norm(wide, shape, weight, bias, plan.eps)
-    return y.to(x.dtype), mean.reshape(plan.rows), rstd.reshape(plan.rows)
+        return torch.nn.functional.layer_norm(x, shape, weight, bias, plan.eps), None, None
+    y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, plan.eps)
+    stats_dtype = _TORCH_DTYPES[plan.stats_dtype]
+    if mean.dtype != stats_dtype:  # a half-precision result on some devices: recompute
+        var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=1, correction=0)
+        rstd = torch.rsqrt(var + plan.eps)
+    return y, mean.reshape(plan.rows), rstd.reshape(plan.rows)
 
 
 def rms_norm(
@@ -97,8 +101,10 @@ def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------
 # Backward (see :mod:`normlab.backward` for the contract), in torch operations: differentiable
-# again, on CPU and CUDA. Column sums are pairwise trees of elementwise additions (no torch
-# reduction kernel, whose split of the work may follow the thread count): bitwise repeatable.
+# again, on CPU and CUDA. Column sums are bitwise repeatable: fixed chunks of ROW_CHUNK rows
+# (each chunk's sum is one output of a torch reduction, computed by one thread), then a pairwise
+# tree of elementwise float64 additions over the chunks; nothing depends on the thread count.
+# On CPU this is the portable path, not the fast one (numba is): every operation allocates.
 
 
 def layer_norm_backward(
@@ -139,36 +145,54 @@ def _backward(
     plan: Plan,
     needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Both backward ops (``mean`` None: RMSNorm); ``x̂ = (x - mean - r) * rstd`` with
-    ``r = mean(x - mean)``, the residual of a rounded mean."""
+    """Both backward ops (``mean`` None: RMSNorm), with ``d = x - mean`` and its residual
+    ``res = mean(d)`` (the rounding of a float32 mean), so that ``x̂ = (d - res) * r``::
+
+        mean(g * x̂) = r * (mean(g * d) - res * mean(g))
+        dx = r * g + b * d + c     b = -r^2 * mean(g * x̂),  c = -b * res - r * mean(g)
+
+    (RMSNorm: ``d = x``, ``res = 0``, no ``mean(g)``): two full-size passes for dx."""
     compute = _TORCH_DTYPES[plan.compute_dtype]
     r = rstd.to(compute)[:, None]
-    xhat = x.to(compute)
+    d = x.to(compute)
+    res = None
     if mean is not None:
-        xhat = xhat - mean.to(compute)[:, None]
-        xhat = xhat - xhat.mean(dim=1, keepdim=True)
-    xhat = xhat * r
+        d = d - mean.to(compute)[:, None]
+        res = d.mean(dim=1, keepdim=True)
     dyc = dy.to(compute)
     dx = None
     if "x" in needs:
         g = dyc if weight is None else dyc * weight.to(compute)
-        t = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
-        if mean is not None:
-            t = t - g.mean(dim=1, keepdim=True)
-        dx = (t * r).to(x.dtype)
-    dweight = _column_sum(dyc * xhat) if "weight" in needs else None
-    dbias = _column_sum(dyc) if "bias" in needs else None
+        mean_gx = (g * d).mean(dim=1, keepdim=True)
+        if res is None:
+            b = -r * r * mean_gx
+            dx = torch.addcmul(b * d, r, g)
+        else:
+            mean_g = g.mean(dim=1, keepdim=True)
+            b = -r * r * (mean_gx - res * mean_g)
+            dx = torch.addcmul(torch.addcmul(-b * res - r * mean_g, b, d), r, g)
+        dx = dx.to(x.dtype)
+    dweight = dbias = None
+    if "weight" in needs:
+        xhat = d * r if res is None else torch.addcmul(-res * r, d, r)
+        dweight = _column_sum(dyc * xhat)
+    if "bias" in needs:
+        dbias = _column_sum(dyc)
     return dx, dweight, dbias
 
 
 def _column_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of the rows of the 2-D ``t`` (a new tensor): the first ``n // 2`` rows are added
-    to the last ``n // 2`` (an odd middle row carried along) until one row is left; the order
-    depends on the shape alone."""
-    if t.shape[0] == 1:
-        return t[0].clone()
-    while t.shape[0] > 1:
-        half = t.shape[0] // 2
-        head = t[:half] + t[t.shape[0] - half :]
-        t = torch.cat((head, t[half : t.shape[0] - half])) if t.shape[0] % 2 else head
-    return t[0]
+    """The sum of the rows of the 2-D ``t``, in ``t``'s dtype: sums of chunks of ROW_CHUNK rows,
+    then pairwise in float64 over the chunks (the first half added to the second half, an odd
+    middle chunk carried along, until one is left)."""
+    rows, cols = t.shape
+    whole = rows - rows % ROW_CHUNK
+    parts = [t[:whole].reshape(-1, ROW_CHUNK, cols).sum(dim=1)]
+    if whole < rows:
+        parts.append(t[whole:].sum(dim=0, keepdim=True))
+    total = torch.cat(parts).to(torch.float64)
+    while total.shape[0] > 1:
+        n, half = total.shape[0], total.shape[0] // 2
+        head = total[:half] + total[n - half :]
+        total = torch.cat((head, total[half : n - half])) if n % 2 else head
+    return total[0].to(t.dtype)
