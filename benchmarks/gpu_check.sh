@@ -6,13 +6,13 @@
 # from the wheels in benchmarks/wheels/ (made beforehand by benchmarks/fetch_gpu_wheels.sh) into
 # a temporary folder put on PYTHONPATH.
 #
-# Stages, each under its own time limit (295 s in all):
+# Stages, each under its own time limit (365 s in all), each covering layer_norm and rms_norm:
 #   info         normlab info: which backends run here, and why not
 #   kernels      normlab kernels: NVRTC compiles every kernel for this GPU (fills the cubin cache)
 #   conformance  normlab check cupy: the conformance suite on CuPy arrays
 #   correctness  every kernel on CuPy arrays and CUDA tensors; rows bitwise alone or in a batch
 #   large        65537 rows; 2^31 + 4096 float16 elements; rows of 1 ... 262144 elements
-#   bench        GB/s of the cupy backend, torch.nn.functional.layer_norm and a copy
+#   bench        GB/s of the cupy backend, torch.nn.functional.layer_norm / rms_norm and a copy
 #
 #   benchmarks/gpu_check.sh             results in $OUT (default ./gpu-results): summary.md,
 #                                       one .md and one .log per stage
@@ -93,10 +93,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run COMMAND under a time limit, log 
 
 stage info 15 "$PYTHON" -m normlab info
 stage kernels 90 "$PYTHON" -m normlab kernels --arch "$ARCH"
-stage conformance 75 "$PYTHON" -m normlab check cupy
-stage correctness 40 "$PYTHON" benchmarks/gpu_check.py correctness --out "$OUT" ${DRY[@]+"${DRY[@]}"}
-stage large 40 "$PYTHON" benchmarks/gpu_check.py large --out "$OUT" ${DRY[@]+"${DRY[@]}"}
-stage bench 35 "$PYTHON" benchmarks/gpu_check.py bench --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+stage conformance 90 "$PYTHON" -m normlab check cupy
+stage correctness 60 "$PYTHON" benchmarks/gpu_check.py correctness --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+stage large 60 "$PYTHON" benchmarks/gpu_check.py large --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+stage bench 50 "$PYTHON" benchmarks/gpu_check.py bench --out "$OUT" ${DRY[@]+"${DRY[@]}"}
 
 {
   echo

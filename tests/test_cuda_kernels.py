@@ -1,8 +1,8 @@
-"""The CUDA kernels without a GPU: NVRTC compiles every specialisation for sm_80 and sm_90 with no
-spills; the launch planner; the ptxas report parser; a NumPy model of the kernels' arithmetic
-(chunk assignment, per-thread moments, Chan merges in the kernels' order); the launch from Python
-against a fake CuPy; and the cupy backend reporting, on a machine without a CUDA device, that it is
-unavailable and why."""
+"""The CUDA kernels without a GPU: NVRTC compiles every specialisation (LayerNorm and RMSNorm) for
+sm_80 and sm_90 with no spills; the launch planner; the ptxas report parser; a NumPy model of the
+kernels' arithmetic (chunk assignment, per-thread moments or sums of squares, merges in the
+kernels' order); the launch from Python against a fake CuPy; and the cupy backend reporting, on a
+machine without a CUDA device, that it is unavailable and why."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from normlab import reference, registry, spec
 from normlab.backends import cuda_compile, cuda_launch
 from normlab.backends.cuda_launch import (
     MAX_GRID,
+    OPS,
     Specialisation,
     all_specialisations,
     plan_launch,
@@ -76,7 +77,7 @@ def test_registers_fit_the_launch_bounds(reports: list[cuda_compile.KernelReport
 
 def test_compile_kernels_is_cached_on_disk(tmp_path: Path) -> None:
     _nvrtc_or_skip()
-    spec = Specialisation("float32", "float32", 32, 1, True)
+    spec = Specialisation("layer_norm", "float32", "float32", 32, 1, True)
     first = cuda_compile.compile_kernels([spec], "sm_90", cache_dir=tmp_path)
     assert first.image[:4] == b"\x7fELF"  # a cubin, not PTX
     assert len(list(tmp_path.glob("*.bin"))) == 1
@@ -88,7 +89,7 @@ def test_compile_kernels_is_cached_on_disk(tmp_path: Path) -> None:
 
 def test_compute_target_gives_ptx_without_reports(tmp_path: Path) -> None:
     _nvrtc_or_skip()
-    spec = Specialisation("bfloat16", "float32", 512, 0, False)
+    spec = Specialisation("rms_norm", "bfloat16", "float32", 512, 0, False)
     module = cuda_compile.compile_kernels([spec], "compute_80", cache_dir=tmp_path)
     assert b".entry " + module.functions[spec.name].encode() in module.image
     assert module.reports == ()
@@ -96,7 +97,7 @@ def test_compute_target_gives_ptx_without_reports(tmp_path: Path) -> None:
 
 def test_a_bad_target_raises_with_nvrtc_s_message(tmp_path: Path) -> None:
     _nvrtc_or_skip()
-    spec = Specialisation("float32", "float32", 32, 1, True)
+    spec = Specialisation("layer_norm", "float32", "float32", 32, 1, True)
     with pytest.raises(cuda_compile.CudaCompileError, match="NVRTC_ERROR_INVALID_OPTION"):
         cuda_compile.compile_kernels([spec], "sm_1", cache_dir=tmp_path)
 
@@ -146,17 +147,36 @@ def test_specialisations_have_unique_names_and_expressions() -> None:
     specs = all_specialisations()
     assert len({s.name for s in specs}) == len({s.expression for s in specs}) == len(specs)
     assert {s.dtype for s in specs} == set(FLOAT_DTYPES)
+    assert {s.op for s in specs} == set(OPS) == {"layer_norm", "rms_norm"}
 
 
+def test_both_ops_share_the_kernel_templates() -> None:
+    """One template per kernel shape: the ops differ only in the CENTRE argument, and each has
+    the same specialisations (and NVRTC programs of the same shape)."""
+    specs = all_specialisations()
+    layer_norm = [s for s in specs if s.op == "layer_norm"]
+    rms_norm = [s for s in specs if s.op == "rms_norm"]
+    assert [dataclasses.replace(s, op="rms_norm") for s in layer_norm] == rms_norm
+    for ln, rms in zip(layer_norm, rms_norm, strict=True):
+        assert ln.expression.replace(", true, ", ", false, ", 1) == rms.expression
+        assert rms.name == f"rms_{ln.name}"
+        program = cuda_launch.program_of(rms)
+        assert {s.op for s in program} == {"rms_norm"}
+        assert len(program) == len(cuda_launch.program_of(ln))
+    source = (cuda_compile.KERNEL_DIR / cuda_compile.SOURCE).read_text()
+    assert source.count("__global__") == 2
+
+
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("cols", [*AWKWARD_COLS, 4096, 16384, 16385])
-def test_the_smallest_rung_that_holds_the_row_is_chosen(dtype: str, cols: int) -> None:
-    plan = plan_launch(cols, dtype, None, ALIGNED, [cols, cols])
+def test_the_smallest_rung_that_holds_the_row_is_chosen(op: str, dtype: str, cols: int) -> None:
+    plan = plan_launch(op, cols, dtype, None, ALIGNED, [cols, cols])
     spec = plan.specialisation
     rungs = [
         s
         for s in all_specialisations()
-        if (s.dtype, s.param_dtype, s.vector) == (dtype, dtype, spec.vector)
+        if (s.op, s.dtype, s.param_dtype, s.vector) == (op, dtype, dtype, spec.vector)
     ]
     held = [s for s in rungs if s.capacity is not None and s.capacity >= cols]
     if held:
@@ -166,11 +186,12 @@ def test_the_smallest_rung_that_holds_the_row_is_chosen(dtype: str, cols: int) -
     assert spec in all_specialisations()
 
 
-def test_typical_hidden_sizes_stay_in_registers() -> None:
+@pytest.mark.parametrize("op", OPS)
+def test_typical_hidden_sizes_stay_in_registers(op: str) -> None:
     for dtype in FLOAT_DTYPES:
         limit = 8192 if dtype == "float64" else 16384
-        assert not plan_launch(limit, dtype, None, ALIGNED, [limit]).specialisation.loop
-        assert plan_launch(limit + 8, dtype, None, ALIGNED, [limit + 8]).specialisation.loop
+        assert not plan_launch(op, limit, dtype, None, ALIGNED, [limit]).specialisation.loop
+        assert plan_launch(op, limit + 8, dtype, None, ALIGNED, [limit + 8]).specialisation.loop
 
 
 @pytest.mark.parametrize("spec", all_specialisations(), ids=lambda s: s.name)
@@ -181,7 +202,8 @@ def test_block_shapes(spec: Specialisation) -> None:
 
 def test_16_byte_accesses_need_alignment_everywhere() -> None:
     def vector(cols: int, addresses: list[int | None], strides: list[int]) -> bool:
-        return plan_launch(cols, "float16", "float32", addresses, strides).specialisation.vector
+        plan = plan_launch("layer_norm", cols, "float16", "float32", addresses, strides)
+        return plan.specialisation.vector
 
     base = 0x7F0000000000
     assert vector(1024, [base, base + 4096, base + 8192, None], [1024, 1024])
@@ -194,7 +216,7 @@ def test_16_byte_accesses_need_alignment_everywhere() -> None:
 
 def test_the_plan_never_depends_on_the_number_of_rows() -> None:
     assert "rows" not in inspect.signature(plan_launch).parameters
-    plan = plan_launch(768, "bfloat16", "float32", ALIGNED, [768, 768])
+    plan = plan_launch("rms_norm", 768, "bfloat16", "float32", ALIGNED, [768, 768])
     assert plan.rows_per_block == 4 and plan.block == 128 and plan.threads_per_row == 32
     assert plan.vector_width == 8
     assert [plan.grid(r) for r in (1, 4, 5, 65537)] == [1, 1, 2, 16385]
@@ -202,7 +224,9 @@ def test_the_plan_never_depends_on_the_number_of_rows() -> None:
     with pytest.raises(ValueError, match="no launch for empty input"):
         plan.grid(0)
     with pytest.raises(ValueError, match="no launch for empty input"):
-        plan_launch(0, "float32", None, ALIGNED, [0])
+        plan_launch("layer_norm", 0, "float32", None, ALIGNED, [0])
+    with pytest.raises(ValueError, match="not layer_norm_backward"):
+        plan_launch("layer_norm_backward", 8, "float32", None, ALIGNED, [8])
 
 
 def test_the_planner_and_the_kernel_source_agree() -> None:
@@ -212,19 +236,25 @@ def test_the_planner_and_the_kernel_source_agree() -> None:
     assert "THREADS < 128 ? 128 : THREADS" in source  # rows per block of the short-row kernels
     for cxx in cuda_launch.CXX_TYPES.values():
         assert cxx in ("float", "double") or f"struct {cxx.split('::')[1]} " in source
+    # The template parameters, in the order the name expressions give them.
+    for parameters in (
+        "typename T, typename P, bool CENTRE, int THREADS, int ITEMS, bool VECTOR",
+        "typename T, typename P, bool CENTRE, bool VECTOR",
+    ):
+        assert f"template <{parameters}>\n__global__ void" in source
 
 
 def test_parameter_dtypes() -> None:
     assert cuda_launch.param_dtypes("float16") == ("float16", "float32")
     assert cuda_launch.param_dtypes("float64") == ("float64",)
     with pytest.raises(ValueError, match="do not go with"):
-        plan_launch(8, "float32", "float16", ALIGNED, [8])
+        plan_launch("layer_norm", 8, "float32", "float16", ALIGNED, [8])
 
 
 # --------------------------------------------------------------------------------------------
-# A NumPy model of the kernels' arithmetic: which thread holds which column, exact moments per
-# thread, Chan merges in butterfly order across lanes and then across warps. It checks the
-# algorithm (not the CUDA code, which needs a GPU: benchmarks/gpu_check.py runs that).
+# A NumPy model of the kernels' arithmetic: which thread holds which column, exact moments (or sums
+# of squares) per thread, merges in butterfly order across lanes and then across warps. It checks
+# the algorithm (not the CUDA code, which needs a GPU: benchmarks/gpu_check.py runs that).
 
 
 def _chan(a: tuple[float, ...], b: tuple[float, ...], acc: type) -> tuple[float, ...]:
@@ -234,47 +264,78 @@ def _chan(a: tuple[float, ...], b: tuple[float, ...], acc: type) -> tuple[float,
     return n, acc(a[1] + delta * wb), acc(a[2] + b[2] + delta * delta * a[0] * wb)
 
 
-def _butterfly(moments: list[tuple[float, ...]], acc: type) -> tuple[float, ...]:
+def _add(a: tuple[float, ...], b: tuple[float, ...], acc: type) -> tuple[float, ...]:
+    return (acc(a[0] + b[0]),)
+
+
+def _butterfly(
+    stats: list[tuple[float, ...]], acc: type, combine: Any = _chan
+) -> tuple[float, ...]:
     offset = 1
-    while offset < len(moments):
-        moments = [
-            _chan(moments[i ^ offset], moments[i], acc)
+    while offset < len(stats):
+        stats = [
+            combine(stats[i ^ offset], stats[i], acc)
             if i & offset
-            else _chan(moments[i], moments[i ^ offset], acc)
-            for i in range(len(moments))
+            else combine(stats[i], stats[i ^ offset], acc)
+            for i in range(len(stats))
         ]
         offset *= 2
-    assert all(m == moments[0] for m in moments)  # every lane ends with the same bits
-    return moments[0]
+    assert all(m == stats[0] for m in stats)  # every lane ends with the same bits
+    return stats[0]
 
 
-def _model_row(x: np.ndarray, spec: Specialisation) -> tuple[float, float, np.ndarray]:
-    acc = np.float64 if spec.dtype == "float64" else np.float32
+def _thread_values(d: np.ndarray, spec: Specialisation) -> list[np.ndarray]:
+    """The values each thread of the row holds (chunk c of the row to thread c % threads)."""
     width = vector_width(spec.dtype)
     step = spec.threads * width
-    d = x.astype(acc) - acc(x[0])
-    per_thread = []
-    covered = np.zeros(len(x), int)
+    held = []
+    covered = np.zeros(len(d), int)
     for t in range(spec.threads):
         columns = np.array(
             [
                 c
                 for i in range(spec.items)
                 for c in range(t * width + i * step, t * width + i * step + width)
-                if c < len(x)
+                if c < len(d)
             ],
             int,
         )
         covered[columns] += 1
-        values = d[columns]
+        held.append(d[columns])
+    assert (covered == 1).all()  # every column held by exactly one thread
+    return held
+
+
+def _merge(per_thread: list[tuple[float, ...]], spec: Specialisation, acc: type) -> Any:
+    """The row's statistic: butterflies within each warp, then across the warps."""
+    combine = _chan if spec.op == "layer_norm" else _add
+    empty = (0, acc(0), acc(0)) if spec.op == "layer_norm" else (acc(0),)
+    warps = [_butterfly(per_thread[w : w + 32], acc, combine) for w in range(0, spec.threads, 32)]
+    warps += [empty] * (32 - len(warps))
+    return _butterfly(warps, acc, combine) if spec.threads > 32 else warps[0]
+
+
+def _model_row(x: np.ndarray, spec: Specialisation) -> tuple[float, float, np.ndarray]:
+    """LayerNorm's (mean, rstd, y) of one row, as the kernel computes it (eps 1e-5)."""
+    acc = np.float64 if spec.dtype == "float64" else np.float32
+    d = x.astype(acc) - acc(x[0])
+    per_thread = []
+    for values in _thread_values(d, spec):
         mean = acc(values.sum(dtype=acc) / acc(len(values))) if len(values) else acc(0)
         per_thread.append((len(values), mean, acc(((values - mean) ** 2).sum(dtype=acc))))
-    assert (covered == 1).all()  # every column held by exactly one thread
-    warps = [_butterfly(per_thread[w : w + 32], acc) for w in range(0, spec.threads, 32)]
-    warps += [(0, acc(0), acc(0))] * (32 - len(warps))
-    n, mean_d, m2 = _butterfly(warps, acc) if spec.threads > 32 else warps[0]
+    n, mean_d, m2 = _merge(per_thread, spec, acc)
     rstd = acc(1) / np.sqrt(acc(m2 / acc(n)) + acc(1e-5))
     return float(acc(x[0]) + mean_d), float(rstd), (d - mean_d) * rstd
+
+
+def _model_rms_row(x: np.ndarray, spec: Specialisation) -> tuple[float, np.ndarray]:
+    """RMSNorm's (rstd, y) of one row, as the kernel computes it (eps 1e-5)."""
+    acc = np.float64 if spec.dtype == "float64" else np.float32
+    v = x.astype(acc)
+    per_thread = [(acc((held * held).sum(dtype=acc)),) for held in _thread_values(v, spec)]
+    (square_sum,) = _merge(per_thread, spec, acc)
+    rstd = acc(1) / np.sqrt(acc(square_sum / acc(len(x))) + acc(1e-5))
+    return float(rstd), v * rstd
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -282,7 +343,7 @@ def _model_row(x: np.ndarray, spec: Specialisation) -> tuple[float, float, np.nd
 def test_model_of_the_kernel_arithmetic(dtype: str, cols: int) -> None:
     rng = np.random.default_rng(cols)
     x = (100 + 0.01 * rng.standard_normal(cols)).astype(dtype)
-    spec = plan_launch(cols, dtype, None, ALIGNED, [cols]).specialisation
+    spec = plan_launch("layer_norm", cols, dtype, None, ALIGNED, [cols]).specialisation
     mean, rstd, y = _model_row(x, spec)
     exact = x.astype(np.float64)
     var = exact.var()
@@ -295,8 +356,22 @@ def test_model_of_the_kernel_arithmetic(dtype: str, cols: int) -> None:
 
 def test_model_of_a_constant_row_gives_exact_zeros() -> None:
     x = np.full(1000, 3.25, np.float32)
-    mean, _, y = _model_row(x, plan_launch(1000, "float32", None, ALIGNED, [1000]).specialisation)
+    spec = plan_launch("layer_norm", 1000, "float32", None, ALIGNED, [1000]).specialisation
+    mean, _, y = _model_row(x, spec)
     assert mean == 3.25 and not y.any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("cols", [1, 3, 17, 127, 1000, 4097])
+def test_model_of_the_rms_kernel_arithmetic(dtype: str, cols: int) -> None:
+    rng = np.random.default_rng(cols)
+    x = (100 + rng.standard_normal(cols)).astype(dtype)
+    spec = plan_launch("rms_norm", cols, dtype, None, ALIGNED, [cols]).specialisation
+    rstd, y = _model_rms_row(x, spec)
+    want_y, want_rstd = reference.rms_norm(x, eps=1e-5)
+    tol = 1e-6 if dtype == "float32" else 1e-14  # no cancellation: relative error ~ sqrt(n) u
+    assert rstd == pytest.approx(float(want_rstd[0]), rel=tol)
+    np.testing.assert_allclose(y, want_y, rtol=tol)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +403,8 @@ def _host_view(address: int, rows: int, cols: int, stride: int, dtype: np.dtype)
 
 
 class _FakeKernel:
-    """Runs the float64 reference on the memory behind the kernel's pointer arguments."""
+    """Runs the float64 reference of the kernel's op on the memory behind its pointer
+    arguments."""
 
     def __init__(self, spec: Specialisation) -> None:
         self.spec = spec
@@ -347,10 +423,15 @@ class _FakeKernel:
         param = np.dtype(self.spec.param_dtype)
         w = None if w_at == 0 else _host_view(int(w_at), 1, int(cols), 0, param)[0]
         b = None if b_at == 0 else _host_view(int(b_at), 1, int(cols), 0, param)[0]
-        y, mean, rstd = reference.layer_norm(x, weight=w, bias=b, eps=float(eps))
+        mean: np.ndarray | None = None
+        if self.spec.op == "rms_norm":
+            assert b_at == 0 and mean_at == 0, "rms_norm has neither bias nor mean"
+            y, rstd = reference.rms_norm(x, weight=w, eps=float(eps))
+        else:
+            y, mean, rstd = reference.layer_norm(x, weight=w, bias=b, eps=float(eps))
         _host_view(int(y_at), int(rows), int(cols), int(y_stride), dtype)[...] = y
         for at, values in ((mean_at, mean), (rstd_at, rstd)):
-            if at != 0:
+            if at != 0 and values is not None:
                 _host_view(int(at), 1, int(rows), 0, stats)[0] = values[:, 0]
 
 
@@ -407,6 +488,31 @@ def test_the_launch_passes_what_the_kernel_reads(
     np.testing.assert_allclose(mean.a, want[1][:, 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(rstd.a, want[2][:, 0], rtol=1e-5)
     assert y.a.dtype == x.dtype and mean.a.dtype == rstd.a.dtype == plan.stats_dtype
+
+
+@pytest.mark.parametrize("layout", ["c", "reversed"])
+@pytest.mark.parametrize(
+    ("dtype", "weight"), [("float16", None), ("float16", "float32"), ("float64", "float64")]
+)
+def test_the_rms_launch_passes_what_the_kernel_reads(
+    fake_cupy: Any, dtype: str, weight: str | None, layout: str
+) -> None:
+    rows, cols = 5, 12
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((rows, cols)).astype(dtype)
+    x = x[::-1] if layout == "reversed" else x
+    w = None if weight is None else rng.standard_normal(cols).astype(weight)
+    plan = dataclasses.replace(
+        spec.plan("rms_norm", x, None, w, None, None, None, True, None), family="cupy"
+    )
+    y, mean, rstd = fake_cupy.rms_norm(
+        _FakeArray(x), None if w is None else _FakeArray(w), None, plan=plan, out=None
+    )
+    want_y, want_rstd = reference.rms_norm(x, weight=w)  # eps None: finfo(dtype).eps
+    tol = 1e-3 if dtype == "float16" else 1e-12
+    np.testing.assert_allclose(y.a, want_y, rtol=tol, atol=tol)
+    np.testing.assert_allclose(rstd.a, want_rstd[:, 0], rtol=1e-6)
+    assert mean is None and y.a.dtype == x.dtype and rstd.a.dtype == plan.stats_dtype
 
 
 def test_the_launch_writes_out_in_place(fake_cupy: Any) -> None:

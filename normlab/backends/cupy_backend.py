@@ -1,4 +1,5 @@
-"""The CuPy backend: the raw CUDA kernels of ``kernels/layer_norm.cu``, compiled with NVRTC.
+"""The CuPy backend: the raw CUDA kernels of ``kernels/layer_norm.cu`` (LayerNorm and RMSNorm),
+compiled with NVRTC.
 
 Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
 read and written in place through their raw pointers on torch's current stream, and the result
@@ -18,7 +19,7 @@ from normlab.backends.cuda_compile import compile_kernels, nvrtc_problem, target
 from normlab.backends.cuda_launch import Specialisation, plan_launch, program_of
 from normlab.spec import Plan
 
-__all__ = ["device_problem", "from_numpy", "layer_norm", "to_numpy"]
+__all__ = ["device_problem", "from_numpy", "layer_norm", "rms_norm", "to_numpy"]
 
 _STATS: Final = {"float32": np.float32, "float64": np.float64}
 _functions: dict[tuple[int, Specialisation], Any] = {}
@@ -151,6 +152,21 @@ def layer_norm(
     """Normalize each row of the 2-D ``x`` (unit column stride, any row stride; a CuPy array or,
     named explicitly, a CUDA torch tensor); see :mod:`normlab.hookspecs`. ``out`` may be ``x``.
     Weight and bias of different dtypes are both read as float32."""
+    return _launch(x, weight, bias, plan, out)
+
+
+def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
+    """RMS-normalize each row of the 2-D ``x``, ``y = x / sqrt(mean(x^2) + eps) * weight``; the
+    arrays as for :func:`layer_norm` (``bias`` is always None)."""
+    y, _, rstd = _launch(x, weight, None, plan, out)
+    return y, None, rstd
+
+
+def _launch(
+    x: Any, weight: Any, bias: Any, plan: Plan, out: Any
+) -> tuple[Any, Any | None, Any | None]:
+    """Launch the kernel of ``plan.op`` on the 2-D ``x``; ``(y, mean, rstd)`` (mean is None for
+    rms_norm, both statistics without return_stats)."""
     import cupy
 
     arrays = _Torch if plan.family == "torch" else _Cupy
@@ -160,13 +176,15 @@ def layer_norm(
     mean = rstd = None
     if plan.return_stats:
         stats = arrays.stats_dtype(plan.stats_dtype)
-        mean, rstd = arrays.empty((rows,), stats, x), arrays.empty((rows,), stats, x)
+        rstd = arrays.empty((rows,), stats, x)
+        if plan.op == "layer_norm":
+            mean = arrays.empty((rows,), stats, x)
     x_at, y_at, w_at, b_at, mean_at, rstd_at = (
         0 if a is None else arrays.address(a) for a in (x, y, w, b, mean, rstd)
     )
     x_stride, y_stride = arrays.row_stride(x), arrays.row_stride(y)
     launch = plan_launch(
-        cols, plan.dtype, param_dtype, [x_at, y_at, w_at, b_at], [x_stride, y_stride]
+        plan.op, cols, plan.dtype, param_dtype, [x_at, y_at, w_at, b_at], [x_stride, y_stride]
     )
     device = arrays.device(x)
     function = _function(device, launch.specialisation)

@@ -2,9 +2,10 @@
 
 ``check(name)`` (the CLI's ``normlab check NAME``) runs the suite against one backend in this
 process; within pytest, ``--normlab-backend NAME`` does the same (:mod:`.pytest_plugin`). The
-suite drives a backend only through ``normlab.layer_norm(x, ..., backend=NAME)`` and its record's
-``from_numpy``/``to_numpy``, and compares with the float64 reference
-(:mod:`normlab.reference`) within the tolerances of :mod:`.tolerances`.
+suite drives a backend only through ``normlab.layer_norm(x, ..., backend=NAME)`` — and
+``normlab.rms_norm`` when the record lists ``"rms_norm"`` among its ops; those tests are skipped,
+with the reason, otherwise — and its record's ``from_numpy``/``to_numpy``, and compares with the
+float64 reference (:mod:`normlab.reference`) within the tolerances of :mod:`.tolerances`.
 
 Test modules, one per area: ``test_numerics`` (random calls and the named numerical cases),
 ``test_rows`` (NaN/Inf confinement, batch independence), ``test_layouts`` (strides, ``out=``,

@@ -1,10 +1,10 @@
 """Test cases: one :class:`Case` describes a call completely, so any failure can be rerun.
 
-A case names the shape, dtype, kind of values and seed of ``x``, the normalized axes, the
-affine parameters, ``eps`` and the memory layout. :meth:`Case.inputs` builds the arrays of any
-backend's family through the record's ``from_numpy``; :meth:`Case.expected` is the float64
-reference; :meth:`Case.check` runs the backend and compares, and its failure message is a
-runnable snippet (:meth:`Case.snippet`).
+A case names the op (``layer_norm`` or ``rms_norm``), the shape, dtype, kind of values and seed
+of ``x``, the normalized axes, the affine parameters, ``eps`` and the memory layout.
+:meth:`Case.inputs` builds the arrays of any backend's family through the record's
+``from_numpy``; :meth:`Case.expected` is the float64 reference; :meth:`Case.check` runs the
+backend and compares, and its failure message is a runnable snippet (:meth:`Case.snippet`).
 
 The named cases of the design (section 6) are values kinds here (``"offset"``, ``"constant"``,
 ``"zeros"``, ``"near_max"``, ``"worked"``, ``"nan_inf"``) plus the row lengths in
@@ -21,11 +21,13 @@ import numpy as np
 
 import normlab
 from normlab import reference, registry
-from normlab.testing.tolerances import assert_close, conditioning
+from normlab.spec import stats_names
+from normlab.testing.tolerances import assert_close, conditioning, y_scale
 
 __all__ = [
     "AWKWARD_COLS",
     "LAYOUTS",
+    "OPS",
     "POISONED",
     "VALUES",
     "Case",
@@ -34,6 +36,9 @@ __all__ = [
     "numpy_dtype",
     "same_kind",
 ]
+
+#: The ops the suite tests, each where the backend's record lists it.
+OPS: Final = ("layer_norm", "rms_norm")
 
 #: Row lengths that do not fit vector widths, warps or blocks.
 AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097)
@@ -46,10 +51,10 @@ VALUES: Final = (
     "tiny",  # 1e-3 * normal: eps is no longer negligible
     "large",  # 1e3 * normal
     "integers",  # small integers: exact sums, ties, sometimes constant rows
-    "constant",  # each row one value (its own): y must be exactly bias when eps > 0
+    "constant",  # each row one value (its own): LayerNorm gives exactly bias when eps > 0
     "zeros",  # all zero
     "near_max",  # magnitudes 55000..65000 with both signs: float16 sums of squares overflow
-    "worked",  # every row [1, 3, 5, 7] (the seed's worked example)
+    "worked",  # every row [1, 3, 5, 7, ...] (the seed's worked example)
     "nan_inf",  # normal, with a NaN in row 1, +inf in row 2, -inf in row 3
 )
 
@@ -117,9 +122,11 @@ def _values(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
 
 @dataclass(frozen=True)
 class Case:
-    """One call of ``layer_norm``, completely described by plain values (its repr is code).
+    """One call of ``layer_norm`` or ``rms_norm`` (``op``), completely described by plain values
+    (its repr is code).
 
-    ``weight``/``bias`` are the parameters' dtypes, or None for no parameter. Values come from
+    ``weight``/``bias`` are the parameters' dtypes, or None for no parameter (rms_norm has no
+    bias). ``eps=None`` is rms_norm's default (finfo(dtype).eps). Values come from
     ``numpy.random.default_rng(seed)``; the layout changes strides, never values.
     """
 
@@ -131,9 +138,18 @@ class Case:
     axis: int | tuple[int, ...] | None = None
     weight: str | None = None
     bias: str | None = None
-    eps: float = 1e-5
+    eps: float | None = 1e-5
     layout: str = "c"
     return_stats: bool = True
+    op: str = "layer_norm"
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"unknown op {self.op!r}; known: {', '.join(OPS)}")
+        if self.op == "rms_norm" and self.bias is not None:
+            raise ValueError("an rms_norm case has no bias")
+        if self.op == "layer_norm" and self.eps is None:
+            raise ValueError("a layer_norm case needs an eps")
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -178,11 +194,14 @@ class Case:
             bias = rng.standard_normal(param_shape).astype(numpy_dtype(self.bias))
         return x, weight, bias
 
-    def has_constant_row(self) -> bool:
-        """Whether some row has zero variance in the case's dtype (eps = 0 would divide by 0)."""
+    def has_degenerate_row(self) -> bool:
+        """Whether eps = 0 would divide 0 by 0 in some row (in the case's dtype): a constant
+        row for layer_norm (zero variance), an all-zero row for rms_norm."""
         x = self.numpy_inputs()[0]
         order = self.batch_axes + self.axes
         rows = reference.to_float64(x).transpose(order).reshape(self.rows, self.cols)
+        if self.op == "rms_norm":
+            return bool(self.rows and (rows == 0).all(axis=1).any())
         return bool(self.rows and (rows.min(axis=1) == rows.max(axis=1)).any())
 
     def inputs(self, backend: str) -> tuple[Any, dict[str, Any]]:
@@ -203,10 +222,16 @@ class Case:
             kwargs["bias"] = b.from_numpy(bias)
         return arrange(x, self.layout, b), kwargs
 
-    def expected(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The float64 reference ``(y, mean, rstd)``."""
+    def expected(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """The float64 reference ``(y, mean, rstd)``; ``mean`` is None for rms_norm."""
         x, weight, bias = self.numpy_inputs()
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            if self.op == "rms_norm":
+                y, rstd = reference.rms_norm(
+                    x, self.normalized_shape, weight, self.eps, axis=self.axis
+                )
+                return y, None, rstd
+            assert self.eps is not None
             return reference.layer_norm(
                 x, self.normalized_shape, weight, bias, self.eps, axis=self.axis
             )
@@ -214,16 +239,34 @@ class Case:
     # ----------------------------------------------------------------------------------------
     # Running and checking
 
+    def call(self, x: Any, **kwargs: Any) -> Any:
+        """``normlab.layer_norm`` or ``normlab.rms_norm`` (the case's op) of ``x``."""
+        function = normlab.rms_norm if self.op == "rms_norm" else normlab.layer_norm
+        return function(x, **kwargs)
+
     def run(self, backend: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """Call ``normlab.layer_norm`` on ``backend``; results as NumPy ``(y, mean, rstd)``."""
+        """Call the op on ``backend``; results as NumPy ``(y, mean, rstd)`` (``mean`` None for
+        rms_norm; both statistics None without return_stats)."""
         b = registry.get(backend)
         x, kwargs = self.inputs(backend)
-        result = normlab.layer_norm(x, **kwargs, backend=backend, return_stats=self.return_stats)
-        y, mean, rstd = result if self.return_stats else (result, None, None)
+        result = self.call(x, **kwargs, backend=backend, return_stats=self.return_stats)
+        y, mean, rstd = self.unpack(result)
         same_kind(y, x, self.snippet(backend))
-        if mean is None or rstd is None:
-            return b.to_numpy(y), None, None
-        return b.to_numpy(y), b.to_numpy(mean), b.to_numpy(rstd)
+
+        def host(a: Any) -> np.ndarray | None:
+            return None if a is None else b.to_numpy(a)
+
+        return b.to_numpy(y), host(mean), host(rstd)
+
+    def unpack(self, result: Any) -> tuple[Any, Any, Any]:
+        """The op's result as ``(y, mean, rstd)``, None where the op returns no such thing."""
+        if not self.return_stats:
+            return result, None, None
+        if self.op == "rms_norm":
+            y, rstd = result
+            return y, None, rstd
+        y, mean, rstd = result
+        return y, mean, rstd
 
     def check(self, backend: str, *, rows: np.ndarray | None = None) -> None:
         """Run on ``backend`` and assert y (and the statistics) match the reference.
@@ -242,15 +285,20 @@ class Case:
         backend: str,
         rows: np.ndarray | None = None,
     ) -> None:
-        """Assert results (NumPy) of this case on ``backend`` match the reference (see check)."""
+        """Assert results (NumPy) of this case on ``backend`` match the reference (see check).
+        The statistics are compared when ``rstd`` is given (and then ``mean`` for layer_norm)."""
         want_y, want_mean, want_rstd = self.expected()
         repro = self.snippet(backend)
         x, weight, bias = self.numpy_inputs()
         cond = conditioning(want_mean, want_rstd)
         with np.errstate(invalid="ignore"):
-            z = (reference.to_float64(x) - want_mean) * want_rstd
-        scale = _abs(weight, self.axes, x.ndim, 1.0) * (1.0 + np.abs(z))
-        scale = scale + _abs(bias, self.axes, x.ndim, 0.0)
+            centred = reference.to_float64(x) - (0.0 if want_mean is None else want_mean)
+            scale = y_scale(
+                self.op,
+                centred * want_rstd,
+                _reshaped(weight, self.axes, x.ndim),
+                _reshaped(bias, self.axes, x.ndim),
+            )
         # With rows given the elements compared are picked by a mask (flattened); else whole
         # arrays are compared, and failure messages give indices into x.
         in_stats: Any = ... if rows is None else rows
@@ -265,13 +313,18 @@ class Case:
             scale=np.broadcast_to(scale, x.shape)[in_y],
             repro=repro,
         )
-        if mean is None or rstd is None:
+        if rstd is None:
             return
         stats_dtype = "float64" if self.dtype == "float64" else "float32"
-        for name, got, want, unit in (
-            ("mean", mean, want_mean, 1.0 / want_rstd),
-            ("rstd", rstd, want_rstd, want_rstd),
-        ):
+        with np.errstate(divide="ignore"):  # rstd is 0 in rows holding an infinity
+            stats = {
+                "mean": (mean, want_mean, 1.0 / want_rstd),
+                "rstd": (rstd, want_rstd, want_rstd),
+            }
+        for name in stats_names(self.op):
+            got, want, unit = stats[name]
+            if got is None or want is None:
+                raise AssertionError(f"{name} is missing\n{repro}")
             if got.dtype != numpy_dtype(stats_dtype) or got.shape != want.shape:
                 raise AssertionError(
                     f"{name} has dtype {got.dtype} and shape {got.shape}; expected "
@@ -296,21 +349,21 @@ class Case:
             "    from normlab.testing.cases import Case\n"
             f"    case = {self!r}\n"
             f"    x, kwargs = case.inputs({backend!r})  # the backend's arrays, as tested\n"
-            f"    result = normlab.layer_norm(x, **kwargs, backend={backend!r}, "
+            f"    result = normlab.{self.op}(x, **kwargs, backend={backend!r}, "
             f"return_stats={self.return_stats})\n"
-            "    expected = case.expected()  # float64 reference (y, mean, rstd)\n"
+            "    expected = case.expected()  # float64 reference (y, mean or None, rstd)\n"
             f"    case.check({backend!r})  # the comparison\n"
         )
 
 
-def _abs(p: np.ndarray | None, axes: tuple[int, ...], ndim: int, missing: float) -> Any:
-    """``|p|`` with p's dims on ``axes`` of an ndim-d x, or ``missing`` when there is no p."""
+def _reshaped(p: np.ndarray | None, axes: tuple[int, ...], ndim: int) -> np.ndarray | None:
+    """p (float64) with its dims on ``axes`` of an ndim-d x and 1 elsewhere; None stays None."""
     if p is None:
-        return missing
+        return None
     shape = [1] * ndim
     for a, n in zip(axes, p.shape, strict=True):
         shape[a] = n
-    return np.abs(reference.to_float64(p)).reshape(shape)
+    return reference.to_float64(p).reshape(shape)
 
 
 def same_kind(result: Any, x: Any, repro: str = "") -> None:

@@ -126,15 +126,25 @@ def eps_values() -> st.SearchStrategy[float]:
 
 
 @st.composite
-def cases(draw: st.DrawFn, dtypes: Sequence[str], layouts: Sequence[str] = LAYOUTS) -> Case:
-    """A complete random call: shape, axes, dtype, affine, eps, values, seed and layout.
+def cases(
+    draw: st.DrawFn,
+    dtypes: Sequence[str],
+    layouts: Sequence[str] = LAYOUTS,
+    op: str = "layer_norm",
+) -> Case:
+    """A complete random call of ``op``: shape, axes, dtype, affine, eps, values, seed and
+    layout. rms_norm cases have no bias, and their eps may be None (the default).
 
-    eps is 0 only when no row is constant (else y would be 0/0).
+    eps is 0 only when no row is degenerate (else y would be 0/0).
     """
     shape = draw(shapes())
     normalized_shape, axis = draw(axes_choices(shape))
     dtype = draw(st.sampled_from(list(dtypes)))
     weight, bias = draw(affine(dtype))
+    eps: float | None = draw(eps_values())
+    if op == "rms_norm":
+        bias = None
+        eps = draw(st.sampled_from([None, eps]))
     case = Case(
         shape=shape,
         dtype=dtype,
@@ -144,11 +154,12 @@ def cases(draw: st.DrawFn, dtypes: Sequence[str], layouts: Sequence[str] = LAYOU
         axis=axis,
         weight=weight,
         bias=bias,
-        eps=draw(eps_values()),
+        eps=eps,
         layout=draw(st.sampled_from(list(layouts))),
         return_stats=draw(st.booleans()),
+        op=op,
     )
-    if case.eps == 0.0 and case.has_constant_row():
+    if case.eps == 0.0 and case.has_degenerate_row():
         case = case.replace(eps=1e-5)
     return case
 

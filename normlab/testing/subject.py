@@ -30,6 +30,8 @@ class Subject:
     #: dtype -> why the family cannot make it here (say, JAX's float64 without x64 mode)
     unmakeable: dict[str, str]
     capabilities: frozenset[str]
+    #: the ops the record lists
+    ops: frozenset[str]
     #: layout -> None when the family can make it, else the reason it cannot.
     layouts: dict[str, str | None]
 
@@ -41,7 +43,7 @@ class Subject:
             pytest.skip(f"backend {name!r} is unavailable here: {backend.reason}")
         if "layer_norm" not in backend.ops:
             pytest.skip(f"backend {name!r} does not provide layer_norm")
-        unmakeable = {}
+        unmakeable: dict[str, str] = {}
         for dtype in (d for d in FLOAT_DTYPES if d in backend.dtypes):
             try:
                 backend.from_numpy(np.zeros(2, numpy_dtype(dtype)))
@@ -57,6 +59,7 @@ class Subject:
             dtypes=dtypes,
             unmakeable=unmakeable,
             capabilities=frozenset(backend.capabilities),
+            ops=frozenset(backend.ops),
             layouts={layout: _layout_problem(probe, layout, backend) for layout in LAYOUTS},
         )
 
@@ -79,6 +82,14 @@ class Subject:
             pytest.skip(
                 f"backend {self.name!r} does not serve {dtype} (its record lists "
                 f"{', '.join(self.dtypes)})"
+            )
+
+    def require_op(self, op: str) -> None:
+        """Skip unless the record lists ``op`` (``"layer_norm"``, ``"rms_norm"``)."""
+        if op not in self.ops:
+            pytest.skip(
+                f"backend {self.name!r} does not provide {op} (its record lists ops: "
+                f"{', '.join(sorted(self.ops))})"
             )
 
     def require_capability(self, capability: str, consequence: str) -> None:

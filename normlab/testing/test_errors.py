@@ -1,9 +1,10 @@
-"""Every bad input raises its NormlabError subclass, through the backend under test."""
+"""Every bad input raises its NormlabError subclass, through the backend under test, for each
+op the backend provides."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import pytest
 import normlab
 from normlab import ArgumentError, BackendError, DeviceError, DtypeError, ShapeError
 from normlab.spec import FLOAT_DTYPES, HALF_DTYPES
-from normlab.testing.cases import arrange, numpy_dtype
+from normlab.testing.cases import OPS, arrange, numpy_dtype
 from normlab.testing.subject import Subject
 
 
@@ -41,10 +42,12 @@ def _stats_dtype(dtype: str) -> str:
     return "float64" if dtype == "float64" else "float32"
 
 
-#: id -> (the error, the call's arguments after x as a function of the subject). x is
-#: ``_array(s)`` — shape (3, 4) in the subject's float32 (else widest) dtype — unless the
-#: arguments give ``x``.
-BAD: dict[str, tuple[type[normlab.NormlabError], Callable[[Subject], dict[str, Any]]]] = {
+#: The error and the call's arguments after x (a function of the subject).
+Bad = tuple[type[Exception], Callable[[Subject], dict[str, Any]]]
+
+#: id -> bad input of layer_norm. x is ``_array(s)`` — shape (3, 4) in the subject's float32
+#: (else widest) dtype — unless the arguments give ``x``.
+BAD: dict[str, Bad] = {
     "x-list": (ArgumentError, lambda s: {"x": [[1.0, 2.0], [3.0, 4.0]]}),
     "x-int": (DtypeError, lambda s: {"x": s.from_numpy(np.ones((3, 4), np.int32))}),
     "x-0d": (ShapeError, lambda s: {"x": s.from_numpy(np.array(1.0, numpy_dtype(s.dtype)))}),
@@ -106,14 +109,79 @@ BAD: dict[str, tuple[type[normlab.NormlabError], Callable[[Subject], dict[str, A
 }
 
 
-@pytest.mark.parametrize("bad", BAD)
-def test_bad_input(normlab_subject: Subject, bad: str) -> None:
+#: ids of BAD that rms_norm does not share: it has no bias, eps=None is its default, and its
+#: ``out`` tuple is ``(y, rstd)``.
+_LAYER_NORM_ONLY: Final = frozenset(
+    {
+        "bias-shape",
+        "bias-dtype",
+        "bias-foreign",
+        "eps-none",
+        "out-tuple-without-stats",
+        "out-tuple-of-two",
+        "out-mean-dtype",
+        "out-rstd-shape",
+    }
+)
+
+#: id -> bad input of rms_norm only. rms_norm has no bias parameter: a bias keyword is Python's
+#: TypeError, and a bias passed where layer_norm takes it (after weight) lands on eps.
+BAD_RMS_NORM: dict[str, Bad] = {
+    "bias-keyword": (TypeError, lambda s: {"bias": _array(s, (4,))}),
+    "bias-in-eps-position": (
+        ArgumentError,
+        lambda s: {"normalized_shape": 4, "weight": _array(s, (4,)), "eps": _array(s, (4,))},
+    ),
+    "out-tuple-without-stats": (ArgumentError, lambda s: {"out": (_array(s), None)}),
+    "out-tuple-of-three": (
+        ArgumentError,
+        lambda s: {"out": (_array(s), None, None), "return_stats": True},
+    ),
+    "out-rstd-dtype": (
+        DtypeError,
+        lambda s: {
+            "out": (None, _array(s, (3, 1), _wrong(s, _stats_dtype(s.dtype)))),
+            "return_stats": True,
+        },
+    ),
+    "out-rstd-shape": (
+        ShapeError,
+        lambda s: {"out": (None, _array(s, (3,), _stats_dtype(s.dtype))), "return_stats": True},
+    ),
+}
+
+#: op -> id -> bad input.
+BAD_BY_OP: Final[dict[str, dict[str, Bad]]] = {
+    "layer_norm": BAD,
+    "rms_norm": {
+        **{k: v for k, v in BAD.items() if k not in _LAYER_NORM_ONLY},
+        **BAD_RMS_NORM,
+    },
+}
+
+
+@pytest.mark.parametrize(("op", "bad"), [(op, bad) for op in OPS for bad in BAD_BY_OP[op]])
+def test_bad_input(normlab_subject: Subject, op: str, bad: str) -> None:
     """Each bad argument raises the NormlabError subclass that names the problem."""
-    error, arguments = BAD[bad]
+    normlab_subject.require_op(op)
+    error, arguments = BAD_BY_OP[op][bad]
     kwargs = {"x": _array(normlab_subject), "backend": normlab_subject.name}
     kwargs.update(arguments(normlab_subject))
     with pytest.raises(error):
-        normlab.layer_norm(**kwargs)
+        getattr(normlab, op)(**kwargs)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_op_not_provided(normlab_subject: Subject, op: str) -> None:
+    """An op the record does not list: the named backend refuses with BackendError, and
+    explain() says why."""
+    if op in normlab_subject.ops:
+        pytest.skip(f"backend {normlab_subject.name!r} provides {op}")
+    x = _array(normlab_subject)
+    with pytest.raises(BackendError, match=f"does not provide {op}"):
+        getattr(normlab, op)(x, backend=normlab_subject.name)
+    text = normlab.explain(x, op=op, backend=normlab_subject.name)
+    assert f"does not provide {op}" in text, text
 
 
 def test_dtype_not_served(normlab_subject: Subject) -> None:

@@ -1,14 +1,15 @@
-"""Memory layouts, ``out=``, in place, x left untouched, and empty inputs."""
+"""Memory layouts, ``out=``, in place, x left untouched, and empty inputs, for each op."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
 
 import normlab
-from normlab.testing.cases import LAYOUTS, Case, arrange, numpy_dtype, same_kind
+from normlab.spec import stats_names
+from normlab.testing.cases import LAYOUTS, OPS, Case, arrange, numpy_dtype, same_kind
 from normlab.testing.subject import Subject
 
 #: x's shape and normalized axes: trailing, non-trailing, split; 2-D ones collapse to row views
@@ -23,11 +24,24 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+def _bias(op: str, dtype: str) -> str | None:
+    """A bias of ``dtype`` for layer_norm; none for rms_norm."""
+    return dtype if op == "layer_norm" else None
+
+
+#: The SHAPES rms_norm is tested on (its layouts are resolved by the same core as layer_norm's).
+RMS_NORM_SHAPES: Final = ("2d-last", "3d-axis0", "3d-axes0,2")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout(normlab_subject: Subject, layout: str, shape: str) -> None:
+@pytest.mark.parametrize(
+    ("op", "shape"),
+    [*(("layer_norm", s) for s in SHAPES), *(("rms_norm", s) for s in RMS_NORM_SHAPES)],
+)
+def test_layout(normlab_subject: Subject, op: str, layout: str, shape: str) -> None:
     """Every layout gives the reference result; backends that do not read strides get a copy
     from the core, so this holds for them too."""
+    normlab_subject.require_op(op)
     normlab_subject.require_layout(layout)
     dtype = normlab_subject.dtype
     dims, normalized_shape, axis = SHAPES[shape]
@@ -39,8 +53,9 @@ def test_layout(normlab_subject: Subject, layout: str, shape: str) -> None:
         normalized_shape=normalized_shape,
         axis=axis,
         weight=dtype,
-        bias=dtype,
+        bias=_bias(op, dtype),
         layout=layout,
+        op=op,
     )
     case.check(normlab_subject.name)
 
@@ -48,8 +63,9 @@ def test_layout(normlab_subject: Subject, layout: str, shape: str) -> None:
 @pytest.mark.parametrize(
     ("capability", "layout"), [("strided", "sliced"), ("row_strided", "padded")]
 )
+@pytest.mark.parametrize("op", OPS)
 def test_strided_view_reaches_backend(
-    normlab_subject: Subject, capability: str, layout: str
+    normlab_subject: Subject, op: str, capability: str, layout: str
 ) -> None:
     """A backend claiming ``strided`` (``row_strided``) is handed the strided 2-D view itself,
     without a copy (test_layout checks its results)."""
@@ -61,16 +77,19 @@ def test_strided_view_reaches_backend(
         "the core copies such x to C order before calling it (test_layout checks "
         "the results either way)",
     )
+    normlab_subject.require_op(op)
     normlab_subject.require_layout(layout)
-    case = Case((4, 33), normlab_subject.dtype, layout=layout)
+    case = Case((4, 33), normlab_subject.dtype, layout=layout, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
-    text = normlab.explain(x, **kwargs, backend=normlab_subject.name)
+    text = normlab.explain(x, **kwargs, backend=normlab_subject.name, op=op)
     assert "no copy of x" in text, text
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_x_never_modified(normlab_subject: Subject, layout: str) -> None:
+@pytest.mark.parametrize("op", OPS)
+def test_x_never_modified(normlab_subject: Subject, op: str, layout: str) -> None:
     """x, weight and bias hold the same bits after the call."""
+    normlab_subject.require_op(op)
     normlab_subject.require_layout(layout)
     case = Case(
         (4, 5, 9),
@@ -79,33 +98,40 @@ def test_x_never_modified(normlab_subject: Subject, layout: str) -> None:
         seed=10,
         axis=(0, 2),
         weight=normlab_subject.dtype,
-        bias=normlab_subject.dtype,
+        bias=_bias(op, normlab_subject.dtype),
         layout=layout,
+        op=op,
     )
     x, kwargs = case.inputs(normlab_subject.name)
-    before = [normlab_subject.to_numpy(a).tobytes() for a in (x, kwargs["weight"], kwargs["bias"])]
-    normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, return_stats=True)
-    after = [normlab_subject.to_numpy(a).tobytes() for a in (x, kwargs["weight"], kwargs["bias"])]
-    for what, old, new in zip(("x", "weight", "bias"), before, after, strict=True):
-        assert old == new, f"{what} was modified\n{case.snippet(normlab_subject.name)}"
+    arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
+    before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
+    case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    for what, a in arrays.items():
+        assert normlab_subject.to_numpy(a).tobytes() == before[what], (
+            f"{what} was modified\n{case.snippet(normlab_subject.name)}"
+        )
 
 
 @pytest.mark.parametrize(
     ("shape", "axis"),
     [((0, 8), None), ((2, 0, 8), None), ((3, 0), None), ((0, 4, 5), 1), ((4, 0, 5), (0, 2))],
 )
-def test_empty(normlab_subject: Subject, shape: tuple[int, ...], axis: Any) -> None:
+@pytest.mark.parametrize("op", OPS)
+def test_empty(normlab_subject: Subject, op: str, shape: tuple[int, ...], axis: Any) -> None:
     """An empty x (no rows, or empty rows) gives an empty y of x's kind, and statistics of the
     keepdims shape and statistics dtype."""
+    normlab_subject.require_op(op)
     dtype = normlab_subject.dtype
-    case = Case(shape, dtype, axis=axis)
+    case = Case(shape, dtype, axis=axis, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
-    y, mean, rstd = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    y, *stats = result
     same_kind(y, x, case.snippet(normlab_subject.name))
     stats_shape = tuple(1 if a in case.axes else n for a, n in enumerate(shape))
-    for got in (normlab_subject.to_numpy(mean), normlab_subject.to_numpy(rstd)):
+    assert len(stats) == len(stats_names(op)), f"{op} returned {len(result)} arrays"
+    for got in (normlab_subject.to_numpy(a) for a in stats):
         assert got.shape == stats_shape and got.dtype == numpy_dtype(dtype), (got.shape, got.dtype)
-    same_kind(normlab.layer_norm(x, **kwargs, backend=normlab_subject.name), x)
+    same_kind(case.call(x, **kwargs, backend=normlab_subject.name), x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,12 +150,14 @@ def _check_y(y: Any, case: Case, subject: Subject) -> None:
 
 @pytest.mark.parametrize("out_layout", ["c", "fortran", "sliced"])
 @pytest.mark.parametrize("layout", ["c", "transposed"])
-def test_out(normlab_subject: Subject, layout: str, out_layout: str) -> None:
+@pytest.mark.parametrize("op", OPS)
+def test_out(normlab_subject: Subject, op: str, layout: str, out_layout: str) -> None:
     """``out=`` is written and returned (itself), in any writable layout; x is untouched."""
+    normlab_subject.require_op(op)
     _require_out(normlab_subject)
     normlab_subject.require_layout(layout)
     normlab_subject.require_layout(out_layout)
-    case = Case((6, 33), normlab_subject.dtype, "rowwise", seed=11, layout=layout)
+    case = Case((6, 33), normlab_subject.dtype, "rowwise", seed=11, layout=layout, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
     x_before = normlab_subject.to_numpy(x).tobytes()
     out = arrange(
@@ -137,42 +165,49 @@ def test_out(normlab_subject: Subject, layout: str, out_layout: str) -> None:
         out_layout,
         normlab.registry.get(normlab_subject.name),
     )
-    y = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, out=out)
-    assert y is out, "layer_norm(..., out=out) must return out itself"
+    y = case.call(x, **kwargs, backend=normlab_subject.name, out=out)
+    assert y is out, f"{op}(..., out=out) must return out itself"
     _check_y(out, case, normlab_subject)
     assert normlab_subject.to_numpy(x).tobytes() == x_before, "x was modified"
 
 
-@pytest.mark.parametrize("given", ["y", "mean", "rstd", "all"])
-def test_out_with_stats(normlab_subject: Subject, given: str) -> None:
-    """With return_stats, ``out=(y, mean, rstd)`` fills the entries given and allocates the
-    ones that are None."""
+@pytest.mark.parametrize(
+    ("op", "given"),
+    [
+        *(("layer_norm", g) for g in ("y", "mean", "rstd", "all")),
+        *(("rms_norm", g) for g in ("y", "rstd", "all")),
+    ],
+)
+def test_out_with_stats(normlab_subject: Subject, op: str, given: str) -> None:
+    """With return_stats, ``out=(y, mean, rstd)`` (rms_norm: ``(y, rstd)``) fills the entries
+    given and allocates the ones that are None."""
+    normlab_subject.require_op(op)
     _require_out(normlab_subject)
     dtype = normlab_subject.dtype
     stats_dtype = numpy_dtype("float64" if dtype == "float64" else "float32")
-    case = Case((6, 33), dtype, "rowwise", seed=12)
+    case = Case((6, 33), dtype, "rowwise", seed=12, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
-    entries = {
-        "y": np.zeros(case.shape, numpy_dtype(dtype)),
-        "mean": np.zeros((6, 1), stats_dtype),
-        "rstd": np.zeros((6, 1), stats_dtype),
-    }
+    entries = {"y": np.zeros(case.shape, numpy_dtype(dtype))}
+    entries.update({what: np.zeros((6, 1), stats_dtype) for what in stats_names(op)})
     out = tuple(
         normlab_subject.from_numpy(a) if given in (what, "all") else None
         for what, a in entries.items()
     )
-    result = normlab.layer_norm(
-        x, **kwargs, backend=normlab_subject.name, return_stats=True, out=out
-    )
+    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True, out=out)
     for got, passed in zip(result, out, strict=True):
         assert passed is None or got is passed, "an out entry given must be returned itself"
-    y, mean, rstd = (normlab_subject.to_numpy(a) for a in result)
+    y, mean, rstd = (
+        None if a is None else normlab_subject.to_numpy(a) for a in case.unpack(result)
+    )
+    assert y is not None
     case.compare(y, mean, rstd, backend=normlab_subject.name)
 
 
 @pytest.mark.parametrize("layout", ["c", "fortran", "sliced"])
-def test_in_place(normlab_subject: Subject, layout: str) -> None:
+@pytest.mark.parametrize("op", OPS)
+def test_in_place(normlab_subject: Subject, op: str, layout: str) -> None:
     """``out=x`` normalizes x in place and returns x."""
+    normlab_subject.require_op(op)
     _require_out(normlab_subject)
     normlab_subject.require_capability(
         "inplace", "out=x is then computed into a temporary and copied back by the core"
@@ -186,8 +221,9 @@ def test_in_place(normlab_subject: Subject, layout: str) -> None:
         axis=(0, 2),
         weight=normlab_subject.dtype,
         layout=layout,
+        op=op,
     )
     x, kwargs = case.inputs(normlab_subject.name)
-    y = normlab.layer_norm(x, **kwargs, backend=normlab_subject.name, out=x)
-    assert y is x, "layer_norm(x, out=x) must return x itself"
+    y = case.call(x, **kwargs, backend=normlab_subject.name, out=x)
+    assert y is x, f"{op}(x, out=x) must return x itself"
     _check_y(x, case, normlab_subject)

@@ -1,4 +1,5 @@
-"""What a call returns: x's kind of array for y, keepdims statistics in the statistics dtype."""
+"""What a call returns: x's kind of array for y, keepdims statistics in the statistics dtype
+(``mean`` and ``rstd`` for layer_norm, ``rstd`` for rms_norm)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from normlab.spec import FLOAT_DTYPES
-from normlab.testing.cases import Case, numpy_dtype
+from normlab.spec import FLOAT_DTYPES, stats_names
+from normlab.testing.cases import OPS, Case, numpy_dtype
 from normlab.testing.subject import Subject
 
 #: (normalized_shape, axis) on x of shape (3, 5, 7).
@@ -23,11 +24,18 @@ AXES: dict[str, tuple[Any, Any]] = {
 
 
 @pytest.mark.parametrize("axes", AXES)
-@pytest.mark.parametrize("return_stats", [False, True])
+@pytest.mark.parametrize(
+    ("op", "return_stats"),
+    # rms_norm's y goes the same way as layer_norm's: its statistics are what differ.
+    [("layer_norm", False), ("layer_norm", True), ("rms_norm", True)],
+)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_result_kinds(normlab_subject: Subject, dtype: str, return_stats: bool, axes: str) -> None:
-    """y has x's type, shape, dtype and device (checked by ``Case.run``); mean and rstd are
+def test_result_kinds(
+    normlab_subject: Subject, op: str, dtype: str, return_stats: bool, axes: str
+) -> None:
+    """y has x's type, shape, dtype and device (checked by ``Case.run``); the statistics are
     keepdims-shaped (1 on the normalized axes) and float32 (float64 for float64 x)."""
+    normlab_subject.require_op(op)
     normlab_subject.require_dtype(dtype)
     normalized_shape, axis = AXES[axes]
     case = Case(
@@ -36,13 +44,16 @@ def test_result_kinds(normlab_subject: Subject, dtype: str, return_stats: bool, 
         normalized_shape=normalized_shape,
         axis=axis,
         return_stats=return_stats,
+        op=op,
     )
     y, mean, rstd = case.run(normlab_subject.name)
     if return_stats:
-        assert mean is not None and rstd is not None
         shape = tuple(1 if a in case.axes else n for a, n in enumerate(case.shape))
         want = numpy_dtype("float64" if dtype == "float64" else "float32")
-        for what, got in (("mean", mean), ("rstd", rstd)):
+        stats = {"mean": mean, "rstd": rstd}
+        for what in stats_names(op):
+            got = stats[what]
+            assert got is not None, f"{what} is missing"
             assert (got.shape, got.dtype) == (shape, want), (
                 f"{what} has shape {got.shape} and dtype {got.dtype}; expected {shape} and "
                 f"{want}\n{case.snippet(normlab_subject.name)}"
@@ -61,11 +72,13 @@ def test_result_kinds(normlab_subject: Subject, dtype: str, return_stats: bool, 
     ],
     ids=["last", "shape(1,7)", "axis(0,1)", "shape(2,3)", "shape(5,7)"],
 )
+@pytest.mark.parametrize("op", OPS)
 def test_repeated_call(
-    normlab_subject: Subject, shape: tuple[int, ...], normalized_shape: Any, axis: Any
+    normlab_subject: Subject, op: str, shape: tuple[int, ...], normalized_shape: Any, axis: Any
 ) -> None:
     """A second identical call — its plan and route now served from normlab's caches — gives
     the same bits as the first."""
+    normlab_subject.require_op(op)
     dtype = normlab_subject.dtype
     case = Case(
         shape,
@@ -75,8 +88,9 @@ def test_repeated_call(
         normalized_shape=normalized_shape,
         axis=axis,
         weight=dtype,
-        bias=dtype,
+        bias=dtype if op == "layer_norm" else None,
         return_stats=False,
+        op=op,
     )
     first = case.run(normlab_subject.name)[0]
     case.compare(first, None, None, backend=normlab_subject.name)

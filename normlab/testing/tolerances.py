@@ -15,6 +15,20 @@ accumulation (pairwise and blocked sums grow more slowly). ``mean`` may differ b
 ``compute * (conditioning + sqrt(cols))``. ``compute`` is about 8 units of roundoff of the
 accumulation dtype (float32 for float16, bfloat16 and float32; float64 for float64): a correct
 float32 kernel errs near 1e-3 on ``100 + 0.01·randn`` (conditioning 1e4), and is allowed 5e-3.
+
+RMSNorm (``y = x * rstd * weight``, ``rstd = 1/sqrt(mean(x^2) + eps)``) uses the same table with
+``conditioning = 1`` and no bias, and its error is relative to the element itself: the scale is
+``|weight| * |z|`` with ``z = x * rstd``, not ``|weight| * (1 + |z|)``. The derivation:
+
+- ``mean(x^2)`` sums non-negative terms, so its rounding error is relative to the sum itself
+  (condition number 1, whatever the values): each square and each addition rounds once, and the
+  error grows like ``sqrt(cols)`` roundoffs of the accumulation dtype (the same growth as above);
+  nothing cancels, so there is no ``|mean| * rstd`` term.
+- ``rstd`` takes half of that relative error through the square root, plus an ulp or two for
+  adding eps, the root and the quotient: within ``compute * (1 + sqrt(cols))`` relatively.
+- ``y = x * rstd * weight`` adds two products' roundings, relative to ``|y|``, then the one
+  rounding to x's dtype. No term is absolute: an element's error vanishes with the element
+  (LayerNorm's ``1 +`` comes from the error of the mean, shared by a whole row; RMSNorm has none).
 """
 
 from __future__ import annotations
@@ -27,7 +41,14 @@ import numpy as np
 
 from normlab.reference import to_float64
 
-__all__ = ["TOLERANCES", "Tolerance", "allowed_error", "assert_close", "conditioning"]
+__all__ = [
+    "TOLERANCES",
+    "Tolerance",
+    "allowed_error",
+    "assert_close",
+    "conditioning",
+    "y_scale",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +72,28 @@ _STATS_DTYPE: Final = {"float16": "float32", "bfloat16": "float32"}
 
 
 def conditioning(mean: Any, rstd: Any) -> np.ndarray:
-    """``1 + |mean| * rstd`` per row, from the reference statistics (keepdims-shaped)."""
-    result: np.ndarray = 1.0 + np.abs(to_float64(mean)) * to_float64(rstd)
+    """``1 + |mean| * rstd`` per row, from the reference statistics (keepdims-shaped); 1 for
+    RMSNorm, which subtracts no mean (``mean=None``)."""
+    rstd64 = to_float64(rstd)
+    if mean is None:
+        return np.ones_like(rstd64)
+    result: np.ndarray = 1.0 + np.abs(to_float64(mean)) * rstd64
     return result
+
+
+def y_scale(op: str, z: Any, weight: Any = None, bias: Any = None) -> np.ndarray:
+    """What the arithmetic error of an element of y is proportional to (``scale`` of
+    :func:`allowed_error`): ``|weight| * (1 + |z|) + |bias|`` for ``"layer_norm"`` and
+    ``|weight| * |z|`` for ``"rms_norm"`` (see the module docstring). ``z`` is the reference's
+    normalized value; ``weight``/``bias`` broadcast against it (None: absent)."""
+    magnitude = np.abs(to_float64(z))
+    w = 1.0 if weight is None else np.abs(to_float64(weight))
+    if op == "rms_norm":
+        rms_scale: np.ndarray = w * magnitude
+        return rms_scale
+    b = 0.0 if bias is None else np.abs(to_float64(bias))
+    scale: np.ndarray = w * (1.0 + magnitude) + b
+    return scale
 
 
 def allowed_error(
@@ -62,8 +102,8 @@ def allowed_error(
     """The largest error allowed per element (see the module docstring).
 
     ``what`` is ``"y"``, ``"mean"`` or ``"rstd"``. ``scale`` is what the arithmetic error of an
-    element is proportional to: ``|weight| * (1 + |z|) + |bias|`` for ``y``, ``1/rstd`` for
-    ``mean``, ``rstd`` for ``rstd``; by default ``1 + |expected|``.
+    element is proportional to: :func:`y_scale` for ``y``, ``1/rstd`` for ``mean``, ``rstd`` for
+    ``rstd``; by default ``1 + |expected|``.
     """
     expected64 = to_float64(expected)
     tol = TOLERANCES[_STATS_DTYPE.get(dtype, dtype) if what != "y" else dtype]

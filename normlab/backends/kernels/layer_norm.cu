@@ -1,13 +1,19 @@
-// LayerNorm forward over the rows of a 2-D array (unit column stride, any signed row stride).
+// LayerNorm and RMSNorm forward over the rows of a 2-D array (unit column stride, any signed row
+// stride). CENTRE = true, LayerNorm:
 //
 //   x0   = x[0]                          the row's first element (the shift)
 //   d    = x - x0                        in the accumulation type A
 //   mean = x0 + mean(d)
 //   var  = mean((d - mean(d))^2)         population variance (ddof = 0), exact two-pass per
-//                                        thread, merged across threads with chan_combine
+//                                        thread, merged across threads with Chan's rule
 //   rstd = 1 / sqrt(var + eps)           eps added in A; quotient() and inverse_sqrt()
 //                                        (reduce.cuh) within an ulp of IEEE / and sqrt
 //   y    = (d - mean(d)) * rstd * w + b  w = 1 without weight, b = 0 without bias; rounded once
+//
+// CENTRE = false, RMSNorm (no shift, no mean, no bias):
+//
+//   rstd = 1 / sqrt(mean(x^2) + eps)     squares summed per thread, sums added across threads
+//   y    = x * rstd * w                  w = 1 without weight; rounded once
 //
 // A is float for float, half and bfloat16 and double for double; mean and rstd are written
 // in A. A row is cut into chunks of VEC = 16 / sizeof(T) elements; chunk c of a row goes
@@ -15,17 +21,17 @@
 // assignment and the arithmetic do not depend on VECTOR (16-byte loads and stores, or one
 // element at a time), so a row's result depends only on its length and dtype: bitwise the same
 // alone, in a batch, aligned or not. X and Y may be the same memory (in place): each element is
-// written by the thread that read it, after reading it; x[0], which every thread of the row
-// reads, is read before the row's reduction and written after it. W and B never alias Y.
+// written by the thread that read it, after reading it; x[0], which every thread of a LayerNorm
+// row reads, is read before the row's reduction and written after it. W and B never alias Y.
 //
-// Two kernels, both templates over the element type T and the parameter type P (T, or float when
-// T is a half type):
-//   layer_norm_rows  THREADS threads per row (a warp, with several rows per block, up to a block
-//                    per row); each thread keeps ITEMS chunks of the row in registers, so x is
-//                    read from memory exactly once.
-//   layer_norm_loop  one block of LOOP_THREADS per row, for rows beyond register capacity: a
-//                    sweep that merges moments chunk group by chunk group, then a second sweep,
-//                    last chunk group first (most likely still in L2), that writes y.
+// Two kernels, both templates over the element type T, the parameter type P (T, or float when T
+// is a half type) and CENTRE:
+//   normalize_rows  THREADS threads per row (a warp, with several rows per block, up to a block
+//                   per row); each thread keeps ITEMS chunks of the row in registers, so x is
+//                   read from memory exactly once.
+//   normalize_loop  one block of LOOP_THREADS per row, for rows beyond register capacity: a
+//                   sweep that merges statistics chunk group by chunk group, then a second
+//                   sweep, last chunk group first (most likely still in L2), that writes y.
 #include "reduce.cuh"
 
 namespace normlab {
@@ -156,10 +162,10 @@ __device__ __forceinline__ void store_chunk(T* Row, long long c, int n, const A 
 }
 
 // Loads one thread's ITEMS chunks of a row (chunk i at column first + i * step; `cols` columns
-// in all) into D, shifted: D = x - x0 (0 for columns past the row), and the number of columns
-// of each chunk inside the row into N.
-template <bool VECTOR, int ITEMS, int VEC, typename T, typename A>
-__device__ __forceinline__ void load_shifted(
+// in all) into D, and the number of columns of each chunk inside the row into N. CENTRE: shifted,
+// D = x - x0 (0 for columns past the row); else D = x (0 past the row).
+template <bool CENTRE, bool VECTOR, int ITEMS, int VEC, typename T, typename A>
+__device__ __forceinline__ void load_thread_chunks(
     const T* Row, long long first, long long step, long long cols, A x0, A (&D)[ITEMS][VEC],
     int (&N)[ITEMS]) {
 #pragma unroll
@@ -167,47 +173,93 @@ __device__ __forceinline__ void load_shifted(
     N[i] = chunk_count<VEC>(first + i * step, cols);
     load_chunk<VECTOR>(Row, first + i * step, N[i], x0, D[i]);
   }
+  if constexpr (CENTRE) {
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      D[i][k] -= x0;
+      for (int k = 0; k < VEC; ++k) {
+        D[i][k] -= x0;
+      }
     }
   }
 }
 
-// Exact moments of the first N[i] values of each chunk D[i] (a plain two-pass over registers:
-// the mean, then the sum of squared deviations from it).
-template <int ITEMS, int VEC, typename A>
-__device__ __forceinline__ Moments<A> thread_moments(const A (&D)[ITEMS][VEC],
-                                                     const int (&N)[ITEMS]) {
-  A sum = A(0);
-  int count = 0;
+// The statistic a row is reduced to: Moments for LayerNorm (CENTRE), SquareSum for RMSNorm.
+template <bool CENTRE, typename A>
+struct RowStatistic {
+  using type = Moments<A>;
+};
+template <typename A>
+struct RowStatistic<false, A> {
+  using type = SquareSum<A>;
+};
+
+// The statistic of the first N[i] values of each chunk D[i]. CENTRE: exact Moments (a plain
+// two-pass over registers: the mean, then the sum of squared deviations from it); else the
+// SquareSum.
+template <bool CENTRE, int ITEMS, int VEC, typename A>
+__device__ __forceinline__ typename RowStatistic<CENTRE, A>::type thread_statistic(
+    const A (&D)[ITEMS][VEC], const int (&N)[ITEMS]) {
+  if constexpr (CENTRE) {
+    A sum = A(0);
+    int count = 0;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    count += N[i];
+    for (int i = 0; i < ITEMS; ++i) {
+      count += N[i];
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      sum += k < N[i] ? D[i][k] : A(0);
+      for (int k = 0; k < VEC; ++k) {
+        sum += k < N[i] ? D[i][k] : A(0);
+      }
     }
-  }
-  const A n = static_cast<A>(count);
-  const A mean = count > 0 ? quotient(sum, n) : A(0);
-  A m2 = A(0);
+    const A n = static_cast<A>(count);
+    const A mean = count > 0 ? quotient(sum, n) : A(0);
+    A m2 = A(0);
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const A e = D[i][k] - mean;
-      m2 += k < N[i] ? e * e : A(0);
+      for (int k = 0; k < VEC; ++k) {
+        const A e = D[i][k] - mean;
+        m2 += k < N[i] ? e * e : A(0);
+      }
     }
+    return Moments<A>{n, mean, m2};
+  } else {
+    A sum = A(0);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        sum += k < N[i] ? D[i][k] * D[i][k] : A(0);
+      }
+    }
+    return SquareSum<A>{sum};
   }
-  return Moments<A>{n, mean, m2};
 }
 
-// Writes y = (d - mean_d) * rstd * w + b for one thread's chunks D (as loaded by load_shifted)
-// to the row Y; w = 1 when W is nullptr, b = 0 when B is nullptr.
-template <bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
+// rstd = 1 / sqrt(var + eps) of a row's Moments, 1 / sqrt(mean(x^2) + eps) of its SquareSum.
+template <typename A>
+__device__ __forceinline__ A row_rstd(const Moments<A>& m, long long, A eps) {
+  return inverse_sqrt(quotient(m.m2, m.n) + eps);
+}
+template <typename A>
+__device__ __forceinline__ A row_rstd(const SquareSum<A>& s, long long cols, A eps) {
+  return inverse_sqrt(quotient(s.sum, static_cast<A>(cols)) + eps);
+}
+
+// The mean of D over the row: mean(x - x0) for Moments; 0 for a SquareSum (nothing subtracted).
+template <typename A>
+__device__ __forceinline__ A row_mean_d(const Moments<A>& m) {
+  return m.mean;
+}
+template <typename A>
+__device__ __forceinline__ A row_mean_d(const SquareSum<A>&) {
+  return A(0);
+}
+
+// Writes one thread's chunks D (as loaded by load_thread_chunks) to the row Y: CENTRE,
+// y = (d - mean_d) * rstd * w + b; else y = d * rstd * w (B unused). w = 1 when W is nullptr,
+// b = 0 when B is nullptr.
+template <bool CENTRE, bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
 __device__ __forceinline__ void write_chunks(
     T* Y, const P* __restrict__ W, const P* __restrict__ B, const A (&D)[ITEMS][VEC],
     const int (&N)[ITEMS], long long first, long long step, A mean_d, A rstd) {
@@ -215,19 +267,26 @@ __device__ __forceinline__ void write_chunks(
   for (int i = 0; i < ITEMS; ++i) {
     const long long c = first + i * step;
     A w[VEC];
-    A b[VEC];
     load_chunk<VECTOR>(W, c, W != nullptr ? N[i] : 0, A(1), w);
-    load_chunk<VECTOR>(B, c, B != nullptr ? N[i] : 0, A(0), b);
     A y[VEC];
+    if constexpr (CENTRE) {
+      A b[VEC];
+      load_chunk<VECTOR>(B, c, B != nullptr ? N[i] : 0, A(0), b);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      y[k] = (D[i][k] - mean_d) * rstd * w[k] + b[k];
+      for (int k = 0; k < VEC; ++k) {
+        y[k] = (D[i][k] - mean_d) * rstd * w[k] + b[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        y[k] = D[i][k] * rstd * w[k];
+      }
     }
     store_chunk<VECTOR>(Y, c, N[i], y);
   }
 }
 
-// Threads per block of layer_norm_rows (at least 128, so short rows share a block), and the
+// Threads per block of normalize_rows (at least 128, so short rows share a block), and the
 // blocks per SM asked of ptxas: 512 threads, so up to 128 registers per thread. Stating it keeps
 // ptxas from trading a few spills for occupancy on its own.
 template <int THREADS>
@@ -239,25 +298,26 @@ struct RowsBlock {
 // One row per group of THREADS threads (32 ... 1024), RowsBlock<THREADS>::threads / THREADS
 // rows per block, each thread holding ITEMS chunks of its row in registers. Handles rows with
 // cols <= THREADS * ITEMS * VEC. Grid: any size; blocks stride over the row groups.
-template <typename T, typename P, int THREADS, int ITEMS, bool VECTOR>
+template <typename T, typename P, bool CENTRE, int THREADS, int ITEMS, bool VECTOR>
 __global__ void __launch_bounds__(RowsBlock<THREADS>::threads, RowsBlock<THREADS>::min_blocks)
-layer_norm_rows(
+normalize_rows(
     const T* X,                                // x: row r at X + r * x_row_stride
     const P* __restrict__ W,                   // weight, (cols,), or nullptr (all ones)
-    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros)
+    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros; CENTRE)
     T* Y,                                      // y: row r at Y + r * y_row_stride; may be X
-    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr
-    typename Accumulator<T>::type* Rstd,       // (rows,) 1 / sqrt(var + eps), or nullptr
+    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr (CENTRE)
+    typename Accumulator<T>::type* Rstd,       // (rows,) rstd, or nullptr
     long long rows,                            // number of rows (>= 1)
     long long cols,                            // row length (>= 1)
     long long x_row_stride,                    // elements between rows of x (any sign)
     long long y_row_stride,                    // elements between rows of y (any sign)
-    typename Accumulator<T>::type eps) {       // added to var before the square root
+    typename Accumulator<T>::type eps) {       // added before the square root
   using A = typename Accumulator<T>::type;
+  using S = typename RowStatistic<CENTRE, A>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int ROWS_PER_BLOCK = RowsBlock<THREADS>::threads / THREADS;
   constexpr int WARPS = THREADS / 32;
-  __shared__ Moments<A> partial[ROWS_PER_BLOCK][WARPS];
+  __shared__ S partial[ROWS_PER_BLOCK][WARPS];
   const int sub = static_cast<int>(threadIdx.x) / THREADS;  // row within the block
   const int t = static_cast<int>(threadIdx.x) % THREADS;    // thread within the row
   const long long first = static_cast<long long>(t) * VEC;  // first column of chunk 0
@@ -268,68 +328,71 @@ layer_norm_rows(
     const bool live = row < rows;
     const long long r = live ? row : 0;
     const T* x = X + r * x_row_stride;
-    const A x0 = live ? to_acc(x[0]) : A(0);
+    const A x0 = CENTRE && live ? to_acc(x[0]) : A(0);
     A d[ITEMS][VEC];
     int n[ITEMS];
-    load_shifted<VECTOR>(x, first, STEP, live ? cols : 0, x0, d, n);
-    const Moments<A> m = row_combine<WARPS>(thread_moments(d, n), partial[sub], t / 32);
+    load_thread_chunks<CENTRE, VECTOR>(x, first, STEP, live ? cols : 0, x0, d, n);
+    const S m = row_combine<WARPS>(thread_statistic<CENTRE>(d, n), partial[sub], t / 32);
     if (!live) {
       continue;
     }
-    const A rstd = inverse_sqrt(quotient(m.m2, m.n) + eps);
-    if (t == 0 && Mean != nullptr) {
-      Mean[row] = x0 + m.mean;
+    const A rstd = row_rstd(m, cols, eps);
+    const A mean_d = row_mean_d(m);
+    if (CENTRE && t == 0 && Mean != nullptr) {  // flat tests: nested ones cost registers
+      Mean[row] = x0 + mean_d;
     }
     if (t == 0 && Rstd != nullptr) {
       Rstd[row] = rstd;
     }
-    write_chunks<VECTOR>(Y + row * y_row_stride, W, B, d, n, first, STEP, m.mean, rstd);
+    write_chunks<CENTRE, VECTOR>(Y + row * y_row_stride, W, B, d, n, first, STEP, mean_d, rstd);
   }
 }
 
-// Threads per row and chunks per thread per step of layer_norm_loop.
+// Threads per row and chunks per thread per step of normalize_loop.
 constexpr int LOOP_THREADS = 512;
 constexpr int LOOP_ITEMS = 4;
 
-// One row per block of LOOP_THREADS threads, any row length: moments merged over steps of
+// One row per block of LOOP_THREADS threads, any row length: statistics merged over steps of
 // LOOP_THREADS * LOOP_ITEMS chunks, then y written in a second sweep (last step first) that
-// re-reads x. Arguments as for layer_norm_rows. Grid: any size; blocks stride over the rows.
-template <typename T, typename P, bool VECTOR>
-__global__ void __launch_bounds__(LOOP_THREADS, 1) layer_norm_loop(
+// re-reads x. Arguments as for normalize_rows. Grid: any size; blocks stride over the rows.
+template <typename T, typename P, bool CENTRE, bool VECTOR>
+__global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
     const T* X,                                // x: row r at X + r * x_row_stride
     const P* __restrict__ W,                   // weight, (cols,), or nullptr (all ones)
-    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros)
+    const P* __restrict__ B,                   // bias, (cols,), or nullptr (all zeros; CENTRE)
     T* Y,                                      // y: row r at Y + r * y_row_stride; may be X
-    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr
-    typename Accumulator<T>::type* Rstd,       // (rows,) 1 / sqrt(var + eps), or nullptr
+    typename Accumulator<T>::type* Mean,       // (rows,) row means, or nullptr (CENTRE)
+    typename Accumulator<T>::type* Rstd,       // (rows,) rstd, or nullptr
     long long rows,                            // number of rows (>= 1)
     long long cols,                            // row length (>= 1)
     long long x_row_stride,                    // elements between rows of x (any sign)
     long long y_row_stride,                    // elements between rows of y (any sign)
-    typename Accumulator<T>::type eps) {       // added to var before the square root
+    typename Accumulator<T>::type eps) {       // added before the square root
   using A = typename Accumulator<T>::type;
+  using S = typename RowStatistic<CENTRE, A>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int WARPS = LOOP_THREADS / 32;
   constexpr long long STEP = static_cast<long long>(LOOP_THREADS) * VEC;
   constexpr long long SWEEP = STEP * LOOP_ITEMS;  // columns per step
-  __shared__ Moments<A> partial[WARPS];
+  __shared__ S partial[WARPS];
   const int t = static_cast<int>(threadIdx.x);
   const long long first = static_cast<long long>(t) * VEC;
   const long long last = (cols - 1) / SWEEP * SWEEP;  // first column of the last step
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = X + row * x_row_stride;
-    const A x0 = to_acc(x[0]);
-    Moments<A> m = {A(0), A(0), A(0)};
+    const A x0 = CENTRE ? to_acc(x[0]) : A(0);
+    S m{};  // the empty set
     for (long long base = 0; base < cols; base += SWEEP) {
       A d[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
-      load_shifted<VECTOR>(x, base + first, STEP, cols, x0, d, n);
-      m = chan_combine(m, thread_moments(d, n));
+      load_thread_chunks<CENTRE, VECTOR>(x, base + first, STEP, cols, x0, d, n);
+      m = combine(m, thread_statistic<CENTRE>(d, n));
     }
     m = row_combine<WARPS>(m, partial, t / 32);
-    const A rstd = inverse_sqrt(quotient(m.m2, m.n) + eps);
-    if (t == 0 && Mean != nullptr) {
-      Mean[row] = x0 + m.mean;
+    const A rstd = row_rstd(m, cols, eps);
+    const A mean_d = row_mean_d(m);
+    if (CENTRE && t == 0 && Mean != nullptr) {  // flat tests: nested ones cost registers
+      Mean[row] = x0 + mean_d;
     }
     if (t == 0 && Rstd != nullptr) {
       Rstd[row] = rstd;
@@ -338,8 +401,8 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) layer_norm_loop(
     for (long long base = last; base >= 0; base -= SWEEP) {
       A d[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
-      load_shifted<VECTOR>(x, base + first, STEP, cols, x0, d, n);
-      write_chunks<VECTOR>(y, W, B, d, n, base + first, STEP, m.mean, rstd);
+      load_thread_chunks<CENTRE, VECTOR>(x, base + first, STEP, cols, x0, d, n);
+      write_chunks<CENTRE, VECTOR>(y, W, B, d, n, base + first, STEP, mean_d, rstd);
     }
   }
 }

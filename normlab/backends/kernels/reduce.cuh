@@ -1,11 +1,13 @@
-// Moments of a set of values and the Chan et al. rule that merges two of them.
+// The statistics of a row, and the rules that merge the statistics of two parts of it:
+//   Moments    count, mean, M2 = sum((v - mean)^2)   merged by Chan et al. (LayerNorm)
+//   SquareSum  sum(v^2)                              merged by addition    (RMSNorm)
 //
-// Every normlab kernel reduces a row the same way: each thread computes the exact moments of the
-// values it holds (two passes over its registers: mean, then the sum of squared deviations), then
-// the threads of a row merge those moments pairwise with chan_combine, first across the lanes of
-// a warp (warp_combine), then across the warps of a row (row_combine). The merge order is fixed
-// by lane and warp index, so every thread ends with bitwise the same row moments and the result
-// depends only on the row length, never on other rows.
+// Every normlab kernel reduces a row the same way: each thread computes the exact statistic of
+// the values it holds (from its registers), then the threads of a row merge those statistics
+// pairwise with combine(), first across the lanes of a warp (warp_combine), then across the warps
+// of a row (row_combine). The merge order is fixed by lane and warp index, so every thread ends
+// with bitwise the same row statistic and the result depends only on the row length, never on
+// other rows.
 #pragma once
 
 namespace normlab {
@@ -71,7 +73,7 @@ struct Moments {
 //   mean = mean_a + delta * nb / n,  M2 = M2a + M2b + delta^2 * na * nb / n.
 // Exact when either side is empty: combine(a, {}) == a and combine({}, b) == b bitwise.
 template <typename A>
-__device__ __forceinline__ Moments<A> chan_combine(const Moments<A>& a, const Moments<A>& b) {
+__device__ __forceinline__ Moments<A> combine(const Moments<A>& a, const Moments<A>& b) {
   const A n = a.n + b.n;
   const A wb = a.n == A(0) ? A(1) : quotient(b.n, n);  // weight of b: 1 when a is empty
   const A delta = b.mean - a.mean;
@@ -82,30 +84,56 @@ __device__ __forceinline__ Moments<A> chan_combine(const Moments<A>& a, const Mo
   return r;
 }
 
-// Merges the moments of the 32 lanes of a warp (a butterfly over lane-index bits). At each step
-// the lower lane group's moments are the first argument of chan_combine on both partners, so
-// every lane computes the same operations in the same order and ends with the same bits.
+// The statistic of lane (this lane's index ^ offset) of the warp.
 template <typename A>
-__device__ __forceinline__ Moments<A> warp_combine(Moments<A> m) {
+__device__ __forceinline__ Moments<A> shuffle_xor(const Moments<A>& m, int offset) {
+  Moments<A> other;
+  other.n = __shfl_xor_sync(0xffffffffu, m.n, offset);
+  other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
+  other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
+  return other;
+}
+
+// Sum of the squares of a set of values (about zero: nothing is subtracted). The empty set is {0}.
+template <typename A>
+struct SquareSum {
+  A sum;
+};
+
+// The sum of squares of the union of two disjoint sets: sum = sum_a + sum_b. Exact when either
+// side is empty, and the same bits in either order (IEEE addition commutes).
+template <typename A>
+__device__ __forceinline__ SquareSum<A> combine(const SquareSum<A>& a, const SquareSum<A>& b) {
+  return SquareSum<A>{a.sum + b.sum};
+}
+
+template <typename A>
+__device__ __forceinline__ SquareSum<A> shuffle_xor(const SquareSum<A>& s, int offset) {
+  return SquareSum<A>{__shfl_xor_sync(0xffffffffu, s.sum, offset)};
+}
+
+// Merges the statistics S (Moments or SquareSum) of the 32 lanes of a warp (a butterfly over
+// lane-index bits). At each step the lower lane group's statistic is the first argument of
+// combine on both partners, so every lane computes the same operations in the same order and
+// ends with the same bits.
+template <typename S>
+__device__ __forceinline__ S warp_combine(S m) {
   const unsigned lane = threadIdx.x & 31u;
 #pragma unroll
   for (int offset = 1; offset < 32; offset <<= 1) {
-    Moments<A> other;
-    other.n = __shfl_xor_sync(0xffffffffu, m.n, offset);
-    other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
-    other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
-    m = (lane & offset) ? chan_combine(other, m) : chan_combine(m, other);
+    const S other = shuffle_xor(m, offset);
+    m = (lane & offset) ? combine(other, m) : combine(m, other);
   }
   return m;
 }
 
-// Merges the moments of the WARPS warps that share one row. Partial: shared memory of WARPS
+// Merges the statistics S of the WARPS warps that share one row. Partial: shared memory of WARPS
 // entries for this row; warp: the caller's warp index within the row. Every warp of the row
 // merges all partials in the same order, so all threads of the row end with the same bits.
 // When WARPS > 1 it holds two __syncthreads(): every thread of the block must call it, equally
 // often; Partial may be reused as soon as it returns.
-template <int WARPS, typename A>
-__device__ __forceinline__ Moments<A> row_combine(Moments<A> m, Moments<A>* Partial, int warp) {
+template <int WARPS, typename S>
+__device__ __forceinline__ S row_combine(S m, S* Partial, int warp) {
   m = warp_combine(m);
   if (WARPS == 1) {
     return m;
@@ -115,7 +143,7 @@ __device__ __forceinline__ Moments<A> row_combine(Moments<A> m, Moments<A>* Part
     Partial[warp] = m;
   }
   __syncthreads();
-  Moments<A> mine = {A(0), A(0), A(0)};
+  S mine{};  // the empty set: all zeros
   if (lane < WARPS) {
     mine = Partial[lane];
   }
