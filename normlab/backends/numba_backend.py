@@ -1,0 +1,174 @@
+"""The Numba backend: fused, parallel JIT kernels for NumPy arrays (and CPU tensors, zero-copy).
+
+The kernels live in :mod:`normlab.backends.numba_kernels`; this module turns a call into kernel
+arguments. ``x`` and ``out`` are passed as they are, with any strides (no copy); float16 and
+bfloat16 arrays as views of their bit patterns (``int16`` and ``uint16``). Weight and bias are
+converted to the compute dtype (float32, or float64 for float64 x): two arrays of ``cols``
+elements. An ``out`` that is ``x``'s very memory is normalized in place. Inputs of fewer than
+:data:`SERIAL_ELEMENTS` elements run on the calling thread, larger ones on
+``numba.get_num_threads()`` threads, a contiguous range of rows each.
+
+Torch CPU tensors (served only when the caller names ``backend="numba"``) are read and written
+through ``Tensor.numpy()`` views of the same memory; the results are tensors. A tensor that
+requires grad is refused: these kernels do not record a graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Final
+
+import numba
+import numpy as np
+
+from normlab.backends.numba_kernels import layer_norm_rows, layer_norm_rows_parallel
+from normlab.errors import BackendError
+from normlab.spec import Plan
+
+__all__ = ["SERIAL_ELEMENTS", "from_numpy", "layer_norm", "to_numpy"]
+
+#: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
+#: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
+#: milliseconds (measured on 2 cores; see docs/numba.md).
+SERIAL_ELEMENTS: Final = 1 << 15
+
+#: The integer type whose values are a half type's bit patterns, as the kernels read them.
+_BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
+
+
+def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> tuple[Any, Any, Any]:
+    """Normalize each row of the 2-D ``x`` (any strides); see :mod:`normlab.hookspecs`.
+
+    ``x`` is a NumPy array, or a CPU torch tensor when the caller named this backend; ``y``,
+    ``mean`` and ``rstd`` are of the same family. ``out`` may be ``x``'s very memory.
+    """
+    compute = np.float64 if plan.dtype == "float64" else np.float32
+    torch_family = plan.family == "torch"
+    if torch_family:
+        _refuse_grad(x, weight, bias, out)
+        x_np = _tensor_as_numpy(x)
+        out_np = None if out is None else _tensor_as_numpy(out)
+        w = _parameter(_tensor_parameter(weight, compute), compute, plan.cols, 1.0)
+        b = _parameter(_tensor_parameter(bias, compute), compute, plan.cols, 0.0)
+    else:
+        x_np, out_np = x, out
+        w = _parameter(weight, compute, plan.cols, 1.0)
+        b = _parameter(bias, compute, plan.cols, 0.0)
+    stats = np.float64 if plan.stats_dtype == "float64" else np.float32
+    if plan.return_stats:
+        mean, rstd = np.empty(plan.rows, stats), np.empty(plan.rows, stats)
+    else:
+        mean = rstd = _no_stats(stats)
+    y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
+    y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
+    x_bits = _as_bits(x_np, plan.dtype)
+    # numba.get_num_threads() costs microseconds: asked only when the input is large.
+    threads = 1 if plan.rows * plan.cols < SERIAL_ELEMENTS else numba.get_num_threads()
+    if threads > 1 and plan.rows > 1:
+        layer_norm_rows_parallel(x_bits, y_bits, w, b, plan.eps, mean, rstd, threads)
+    else:
+        layer_norm_rows(x_bits, y_bits, w, b, plan.eps, mean, rstd, 0, plan.rows)
+    if not torch_family:
+        return (y_np, mean, rstd) if plan.return_stats else (y_np, None, None)
+    import torch
+
+    y = out if out is not None else _numpy_as_tensor(y_np, plan.dtype)
+    if not plan.return_stats:
+        return y, None, None
+    return y, torch.from_numpy(mean), torch.from_numpy(rstd)
+
+
+def to_numpy(a: np.ndarray) -> np.ndarray:
+    """NumPy arrays are already NumPy."""
+    return np.asarray(a)
+
+
+def from_numpy(a: np.ndarray, like: Any = None) -> np.ndarray:
+    """A NumPy copy of ``a`` (numba serves NumPy arrays; tests may mutate the copy freely)."""
+    return np.array(a, copy=True)
+
+
+def _as_bits(a: np.ndarray, dtype: str) -> np.ndarray:
+    """``a`` itself, or a view of its bit patterns for float16/bfloat16 (any strides)."""
+    bits = _BITS.get(dtype)
+    return a if bits is None else a.view(bits)
+
+
+def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether ``y`` is exactly ``x``'s memory (same first element and strides): in place.
+
+    The core passes an ``out`` that is either that or shares no element with ``x``."""
+    if y is x:
+        return True
+    if not np.may_share_memory(x, y):  # bounds only: cheap
+        return False
+    data = x.__array_interface__["data"][0]
+    return bool(y.__array_interface__["data"][0] == data and y.strides == x.strides)
+
+
+def _parameter(p: Any, compute: type, cols: int, fill: float) -> np.ndarray:
+    """Weight or bias as a contiguous compute-dtype array; ``fill`` repeated when absent."""
+    if p is None:
+        return _constant(cols, compute, fill)
+    if p.dtype == compute and p.flags.c_contiguous:
+        return p  # type: ignore[no-any-return]
+    return np.ascontiguousarray(p, dtype=compute)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(cols: int, compute: type, fill: float) -> np.ndarray:
+    """A cached array of ``cols`` times ``fill`` (the weight or bias of a call without one)."""
+    return np.full(cols, fill, dtype=compute)
+
+
+@functools.lru_cache(maxsize=2)
+def _no_stats(dtype: type) -> np.ndarray:
+    """An empty statistics array: the kernels skip writing statistics into it."""
+    return np.empty(0, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Torch CPU tensors, served zero-copy when the caller names this backend.
+
+
+def _refuse_grad(*tensors: Any) -> None:
+    import torch
+
+    x = tensors[0]
+    needs_graph = x.requires_grad or (
+        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[1:])
+    )
+    if needs_graph:
+        raise BackendError(
+            "the numba backend does not record autograd graphs, and a tensor of this call "
+            "requires grad; use backend='torch', call under torch.no_grad() (for weight and "
+            "bias), or pass x.detach()"
+        )
+
+
+def _tensor_parameter(p: Any, compute: type) -> np.ndarray | None:
+    """A weight or bias tensor as a compute-dtype NumPy array (``cols`` elements; a copy only
+    when its dtype differs). Detaching is safe here: grad mode is off if ``p`` requires grad."""
+    if p is None:
+        return None
+    import torch
+
+    wide = p.detach().to(torch.float64 if compute is np.float64 else torch.float32)
+    return np.asarray(wide.numpy())
+
+
+def _tensor_as_numpy(t: Any) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory, strides kept (bfloat16 as uint16 bit patterns)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return np.asarray(t.view(torch.int16).numpy()).view(np.uint16)
+    return np.asarray(t.numpy())
+
+
+def _numpy_as_tensor(a: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)

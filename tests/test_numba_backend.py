@@ -1,0 +1,398 @@
+"""The Numba backend module, driven directly (a Plan from ``spec.plan``, then its layer_norm).
+
+Results are compared with the float64 reference within the tolerance table of
+:mod:`normlab.testing.tolerances`; the half conversions are checked on every bit pattern.
+Arrays stay small: these tests check correctness, never speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+numba = pytest.importorskip("numba")
+
+import normlab  # noqa: E402
+from normlab import reference, spec  # noqa: E402
+from normlab.backends import half_bits, numba_backend, numba_kernels  # noqa: E402
+from normlab.errors import BackendError  # noqa: E402
+from normlab.testing.cases import numpy_dtype  # noqa: E402
+from normlab.testing.tolerances import assert_close, conditioning  # noqa: E402
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+Result = tuple[Any, Any, Any]
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    return numpy_dtype(name)
+
+
+def _data(shape: tuple[int, ...], dtype: str, seed: int = 0, loc: float = 0.0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (loc + rng.standard_normal(shape)).astype(_dtype(dtype))
+
+
+def _call(
+    x: Any,
+    weight: Any = None,
+    bias: Any = None,
+    *,
+    eps: float = 1e-5,
+    out: Any = None,
+    stats: bool = True,
+) -> Result:
+    plan = spec.plan("layer_norm", x, None, weight, bias, eps, None, stats, out)
+    result: Result = numba_backend.layer_norm(x, weight, bias, plan=plan, out=out)
+    return result
+
+
+def _check(x: Any, weight: Any, bias: Any, eps: float, result: Result) -> None:
+    """Assert y, mean and rstd (NumPy) match the reference within the dtype's tolerance."""
+    y, mean, rstd = result
+    dtype = x.dtype.name
+    want_y, want_mean, want_rstd = reference.layer_norm(x, None, weight, bias, eps)
+    cond = conditioning(want_mean, want_rstd)
+    z = (reference.to_float64(x) - want_mean) * want_rstd
+    w = 1.0 if weight is None else np.abs(reference.to_float64(weight))
+    b = 0.0 if bias is None else np.abs(reference.to_float64(bias))
+    cols = x.shape[1]
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, want_y, dtype, cond, what="y", cols=cols, scale=w * (1 + np.abs(z)) + b)
+    stats = np.float64 if dtype == "float64" else np.float32
+    assert mean.dtype == stats and rstd.dtype == stats and mean.shape == (x.shape[0],)
+    cond1 = cond[:, 0]
+    assert_close(
+        mean, want_mean[:, 0], dtype, cond1, what="mean", cols=cols, scale=1 / want_rstd[:, 0]
+    )
+    assert_close(rstd, want_rstd[:, 0], dtype, cond1, what="rstd", cols=cols, scale=want_rstd[:, 0])
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """``threads(n)`` sets numba's thread count for this test only."""
+    before = numba.get_num_threads()
+    yield numba.set_num_threads
+    numba.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+
+
+@pytest.mark.parametrize("affine", ["both", "weight", "bias", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(dtype: str, affine: str) -> None:
+    x = _data((37, 300), dtype, loc=3.0)
+    weight = _data((300,), dtype, seed=1) if affine in ("both", "weight") else None
+    bias = _data((300,), dtype, seed=2) if affine in ("both", "bias") else None
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_x_with_float32_parameters(dtype: str) -> None:
+    x = _data((9, 64), dtype)
+    weight, bias = _data((64,), "float32", seed=1), _data((64,), "float32", seed=2)
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("cols", [1, 3, 17, 127, 1000, 4097])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_awkward_row_lengths(dtype: str, cols: int) -> None:
+    x = _data((5, cols), dtype, loc=-2.0)
+    weight, bias = _data((cols,), dtype, seed=1), _data((cols,), dtype, seed=2)
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constant_rows_give_bias_exactly(dtype: str) -> None:
+    x = np.repeat(np.array([[0.0], [1.5], [-3.25], [1000.0]]), 513, axis=1).astype(_dtype(dtype))
+    weight, bias = _data((513,), dtype, seed=1), _data((513,), dtype, seed=2)
+    y, mean, _ = _call(x, weight, bias)
+    assert np.array_equal(y, np.broadcast_to(bias, y.shape))
+    assert np.array_equal(mean, x[:, 0].astype(mean.dtype))
+    y, _, _ = _call(x, weight)
+    assert not y.astype(np.float64).any()
+
+
+def test_large_offset_float32() -> None:
+    x = _data((16, 1024), "float64", seed=3)
+    x = (100 + 0.01 * x).astype(np.float32)
+    _check(x, None, None, 1e-5, _call(x))
+
+
+def test_float16_zeros_with_tiny_eps() -> None:
+    x = np.zeros((4, 100), np.float16)
+    y, _, rstd = _call(x, eps=1e-12)
+    assert not np.isnan(y).any() and not y.astype(np.float64).any()
+    assert np.all(rstd == np.float32(1e6))
+
+
+def test_float16_near_max_does_not_overflow() -> None:
+    rng = np.random.default_rng(4)
+    magnitudes = rng.uniform(55000, 65000, (6, 777))
+    x = (magnitudes * rng.choice([-1.0, 1.0], magnitudes.shape)).astype(np.float16)
+    x[0] = np.float16(60000) + rng.integers(0, 3, 777).astype(np.float16) * 32
+    result = _call(x)
+    assert np.isfinite(result[0].astype(np.float64)).all()
+    _check(x, None, None, 1e-5, result)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nan_and_inf_stay_in_their_rows(dtype: str) -> None:
+    x = _data((8, 50), dtype)
+    clean, _, _ = _call(x)
+    poisoned = x.copy()
+    poisoned[1, 7], poisoned[2, 0], poisoned[5, 49] = np.nan, np.inf, -np.inf
+    y, mean, _ = _call(poisoned)
+    bad = [1, 2, 5]
+    assert np.isnan(y[bad].astype(np.float64)).all() and not np.isfinite(mean[bad]).any()
+    good = [0, 3, 4, 6, 7]
+    assert y[good].tobytes() == clean[good].tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# Rows are independent: of each other, of the thread count, of the serial/parallel split
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_row_alone_equals_row_in_batch(dtype: str) -> None:
+    rows, cols = 200, 700  # above the serial limit: the batch runs in parallel
+    assert rows * cols >= numba_backend.SERIAL_ELEMENTS
+    x = _data((rows, cols), dtype, loc=1.0)
+    weight, bias = _data((cols,), dtype, seed=1), _data((cols,), dtype, seed=2)
+    y, mean, rstd = _call(x, weight, bias)
+    for i in (0, 1, 99, 137, 199):
+        y1, mean1, rstd1 = _call(x[i : i + 1], weight, bias)
+        assert y1.tobytes() == y[i : i + 1].tobytes()
+        assert mean1[0] == mean[i] and rstd1[0] == rstd[i]
+
+
+def test_thread_count_does_not_change_results(threads: Callable[[int], None]) -> None:
+    x = _data((300, 513), "float32", loc=-5.0)
+    results = []
+    for n in range(1, numba.config.NUMBA_NUM_THREADS + 1):
+        threads(n)
+        results.append(_call(x))
+    for y, mean, rstd in results[1:]:
+        assert y.tobytes() == results[0][0].tobytes()
+        assert mean.tobytes() == results[0][1].tobytes()
+        assert rstd.tobytes() == results[0][2].tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts, out= and in place
+
+
+def _layouts(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Views of (copies of) x's values with the same shape and other strides."""
+    rows, cols = x.shape
+    wide = np.full((2 * rows, 2 * cols), np.nan, x.dtype)
+    wide[::2, ::2] = x
+    padded = np.full((rows, cols + 5), np.nan, x.dtype)
+    padded[:, :cols] = x
+    return {
+        "transposed": np.ascontiguousarray(x.T).T,
+        "fortran": np.asfortranarray(x),
+        "sliced": wide[::2, ::2],
+        "padded": padded[:, :cols],
+        "reversed": np.ascontiguousarray(x[::-1, ::-1])[::-1, ::-1],
+        "rows_broadcast": np.broadcast_to(x[:1], x.shape),
+        "cols_broadcast": np.broadcast_to(x[:, :1], x.shape),
+    }
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["transposed", "fortran", "sliced", "padded", "reversed", "rows_broadcast", "cols_broadcast"],
+)
+def test_float32_layouts_without_copy(layout: str) -> None:
+    x = _layouts(_data((23, 130), "float32", loc=2.0))[layout]
+    weight, bias = _data((130,), "float32", seed=1), _data((130,), "float32", seed=2)
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_other_dtypes_strided(dtype: str) -> None:
+    x = _layouts(_data((11, 70), dtype, loc=2.0))["reversed"][:, ::3]
+    weight, bias = _data((x.shape[1],), dtype, seed=1), _data((x.shape[1],), dtype, seed=2)
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("layout", ["c", "fortran", "reversed"])
+def test_out(layout: str) -> None:
+    x = _data((19, 96), "float32")
+    out = {
+        "c": np.empty_like(x),
+        "fortran": np.empty_like(x, order="F"),
+        "reversed": np.empty_like(x)[::-1, ::-1],
+    }[layout]
+    result = _call(x, out=out)
+    assert result[0] is out
+    _check(x, None, None, 1e-5, result)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_in_place(dtype: str) -> None:
+    x = _data((21, 333), dtype, loc=4.0)
+    weight = _data((333,), dtype, seed=1)
+    expected, _, _ = _call(x, weight)
+    original = x.copy()
+    y, mean, rstd = _call(x, weight, out=x)
+    assert y is x
+    assert x.tobytes() == expected.tobytes()
+    _check(original, weight, None, 1e-5, (x, mean, rstd))
+
+
+def test_in_place_through_another_view() -> None:
+    x = _data((64, 48), "float32")
+    original, view = x.copy(), x.T.T
+    y, _, _ = _call(x, out=view)
+    assert y is view
+    assert x.tobytes() == _call(original)[0].tobytes()
+
+
+def test_without_stats_and_input_untouched() -> None:
+    x = _data((7, 40), "bfloat16")
+    before = x.tobytes()
+    y, mean, rstd = _call(x, stats=False)
+    assert mean is None and rstd is None
+    assert x.tobytes() == before and y.tobytes() == _call(x)[0].tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# The half conversions, on every bit pattern
+
+
+@numba.njit
+def _decode(bits: np.ndarray, floats: np.ndarray) -> None:
+    for i in range(bits.shape[0]):
+        floats[i] = half_bits.float16_to_float32(bits[i])
+
+
+@numba.njit
+def _decode_bfloat16(bits: np.ndarray, floats: np.ndarray) -> None:
+    for i in range(bits.shape[0]):
+        floats[i] = half_bits.bfloat16_to_float32(bits[i])
+
+
+@numba.njit
+def _encode(floats: np.ndarray, bits: np.ndarray) -> None:
+    for i in range(floats.shape[0]):
+        bits[i] = half_bits.float32_to_float16(floats[i])
+
+
+@numba.njit
+def _encode_bfloat16(floats: np.ndarray, bits: np.ndarray) -> None:
+    for i in range(floats.shape[0]):
+        bits[i] = half_bits.float32_to_bfloat16(floats[i])
+
+
+ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_to_float32_every_pattern(dtype: str) -> None:
+    decode = _decode if dtype == "float16" else _decode_bfloat16
+    got = np.empty(ALL_BITS.size, np.float32)
+    decode(ALL_BITS, got)
+    want = ALL_BITS.view(_dtype(dtype)).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # NaN payloads included
+
+
+def _float32_probes() -> np.ndarray:
+    """float32 values around every half value: each 16-bit high half with low halves that
+    make exact ties, one unit either side of a tie, and others; plus the float16 midpoints."""
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = [0, 1, 0x0FFF, 0x1000, 0x1001, 0x2000, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF]
+    probes = [(high | low).view(np.float32) for low in lows]
+    halves = ALL_BITS[ALL_BITS < 0x7C00].view(np.float16).astype(np.float32)
+    mid = (halves[:-1].astype(np.float64) + halves[1:]) / 2  # exact in float32
+    for m in (mid, -mid):
+        m32 = m.astype(np.float32)
+        probes += [m32, np.nextafter(m32, np.float32(np.inf)), np.nextafter(m32, np.float32(0))]
+    return np.concatenate(probes)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_to_half_every_pattern(dtype: str) -> None:
+    encode = _encode if dtype == "float16" else _encode_bfloat16
+    probes = _float32_probes()
+    got = np.empty(probes.size, np.uint16)
+    encode(probes, got)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = probes.astype(_dtype(dtype)).view(np.uint16)
+    assert np.array_equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# Torch CPU tensors, served zero-copy when named
+
+
+@pytest.fixture
+def torch() -> Any:
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_tensors(torch: Any, dtype: str) -> None:
+    t = torch.randn(12, 40, dtype=getattr(torch, dtype)).t()  # strided: served without a copy
+    w = torch.randn(12, dtype=torch.float32)
+    y, mean, rstd = _call(t, w, None)
+    assert isinstance(y, torch.Tensor) and y.dtype == t.dtype and y.shape == t.shape
+    x_np = t.float().numpy().astype(_dtype(dtype))
+    _check(x_np, w.numpy(), None, 1e-5, (_numpy(y), mean.numpy(), rstd.numpy()))
+
+
+def _numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(numpy_dtype("bfloat16"))
+    return t.numpy()  # type: ignore[no-any-return]
+
+
+def test_torch_out_and_in_place(torch: Any) -> None:
+    t = torch.randn(8, 30, dtype=torch.float16)
+    expected = _call(t)[0]
+    out = torch.empty_like(t)
+    assert _call(t, out=out)[0] is out and torch.equal(out, expected)
+    assert _call(t, out=t)[0] is t and torch.equal(t, expected)
+
+
+def test_torch_requires_grad_is_refused(torch: Any) -> None:
+    x = torch.randn(4, 6)
+    w = torch.ones(6, requires_grad=True)
+    with pytest.raises(BackendError, match="autograd"):
+        numba_backend.layer_norm(
+            x,
+            w,
+            None,
+            plan=spec.plan("layer_norm", x, None, w, None, 1e-5, None, False, None),
+            out=None,
+        )
+    with torch.no_grad():
+        y, _, _ = _call(x, w)
+    assert torch.allclose(y, torch.nn.functional.layer_norm(x, (6,)), atol=1e-6)
+
+
+def test_torch_through_the_api(torch: Any) -> None:
+    t = torch.randn(3, 5, 7)
+    y = normlab.layer_norm(t, backend="numba")
+    assert isinstance(y, torch.Tensor)
+    assert torch.allclose(y, torch.nn.functional.layer_norm(t, (7,)), atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# How the kernels are built
+
+
+def test_kernels_keep_nan_semantics_and_cache() -> None:
+    assert not numba_kernels.FASTMATH & {"nnan", "ninf", "fast"}
+    for kernel in (numba_kernels.layer_norm_rows, numba_kernels.layer_norm_rows_parallel):
+        assert isinstance(kernel._cache, numba.core.caching.FunctionCache)  # cache=True
+        assert kernel.targetoptions["error_model"] == "numpy"
