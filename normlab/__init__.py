@@ -6,8 +6,8 @@ kind of array. Backends are pluggy plugins; see :func:`list_backends` and :func:
 
 from __future__ import annotations
 
-from normlab.api import explain, layer_norm, rms_norm
-from normlab.dispatch import use_backend
+from normlab.api import explain, layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from normlab.dispatch import current_preference, use_backend
 from normlab.errors import (
     ArgumentError,
     BackendError,
@@ -19,6 +19,7 @@ from normlab.errors import (
 )
 from normlab.hookspecs import BackendRecord, hookimpl
 from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
+from normlab.spec import Plan
 
 __version__ = "0.1.0"
 
@@ -30,15 +31,19 @@ __all__ = [
     "DtypeError",
     "NormlabError",
     "NormlabWarning",
+    "Plan",
     "ShapeError",
     "__version__",
+    "current_preference",
     "explain",
     "hookimpl",
     "layer_norm",
+    "layer_norm_backward",
     "list_backends",
     "plugin_failures",
     "register_plugin",
     "rms_norm",
+    "rms_norm_backward",
     "unregister_plugin",
     "use_backend",
 ]

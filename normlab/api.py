@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from normlab import dispatch, layout, registry, spec
+from normlab import backward, dispatch, layout, registry, spec
 from normlab.errors import NormlabError
 
-__all__ = ["explain", "layer_norm", "rms_norm"]
+__all__ = ["explain", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
 
 def layer_norm(
@@ -87,6 +87,76 @@ def rms_norm(
     return layout.run(plan, choice, x, weight, None, out)
 
 
+def layer_norm_backward(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any = None,
+    normalized_shape: Any = None,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    needs: Any = ("x", "weight", "bias"),
+) -> tuple[Any, Any, Any]:
+    """The gradients of :func:`layer_norm`: ``(dx, dweight, dbias)`` for the upstream ``dy``.
+
+    With ``x̂ = (x - mean) * rstd`` and ``g = dy * weight`` (``g = dy`` without weight), per row
+    over the normalized axes: ``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))``; summed over
+    rows: ``dweight = Σ dy * x̂`` and ``dbias = Σ dy``. The sums are deterministic: bitwise equal
+    from run to run and whatever the number of threads. float16/bfloat16 accumulate in float32.
+
+    Args:
+        dy: the gradient of the loss with respect to ``y``; x's array type, shape and dtype.
+        x: the forward's input.
+        mean: the mean ``layer_norm(..., return_stats=True)`` returned (keepdims shape;
+            float32, or float64 for float64 x).
+        rstd: the ``rstd`` it returned, likewise.
+        weight: the forward's weight, or None (bias does not enter the gradients).
+        normalized_shape: the forward's trailing normalized dims, as for :func:`layer_norm`.
+        axis: the forward's normalized axes, as for :func:`layer_norm`.
+        backend: a backend name; strict, as for :func:`layer_norm`.
+        needs: the gradients to compute, any of ``"x"``, ``"weight"``, ``"bias"``.
+
+    Returns:
+        ``(dx, dweight, dbias)``: ``dx`` like ``x``; ``dweight`` and ``dbias`` of the
+        normalized shape, in weight's dtype (x's dtype when there is no weight), as torch gives
+        a parameter's gradient in the parameter's dtype. An entry not in ``needs`` is None.
+
+    Raises:
+        NormlabError: a subclass naming the problem (a shape, dtype or device that does not
+            match x, an unknown ``needs`` entry, a backend that cannot serve the call).
+    """
+    return backward.run(
+        "layer_norm_backward", dy, x, mean, rstd, weight, normalized_shape, axis, backend, needs
+    )
+
+
+def rms_norm_backward(
+    dy: Any,
+    x: Any,
+    rstd: Any,
+    weight: Any = None,
+    normalized_shape: Any = None,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    needs: Any = ("x", "weight"),
+) -> tuple[Any, Any]:
+    """The gradients of :func:`rms_norm`: ``(dx, dweight)`` for the upstream ``dy``.
+
+    With ``x̂ = x * rstd`` and ``g = dy * weight`` (``g = dy`` without weight), per row:
+    ``dx = rstd * (g - x̂ * mean(g * x̂))``; summed over rows: ``dweight = Σ dy * x̂``.
+    ``rstd`` is what ``rms_norm(..., return_stats=True)`` returned; the other arguments, the
+    dtypes and the errors are as for :func:`layer_norm_backward` (``needs``: ``"x"``,
+    ``"weight"``).
+    """
+    dx, dweight, _ = backward.run(
+        "rms_norm_backward", dy, x, None, rstd, weight, normalized_shape, axis, backend, needs
+    )
+    return dx, dweight
+
+
 def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     """Say which backend a call would use and why, without running it.
 
@@ -94,10 +164,12 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     lists every registered backend with the reason it was or was not chosen, the preference in
     force, and whether the call copies ``x``.
     """
-    names = ("normalized_shape", "weight", "eps") if op == "rms_norm" else (
-        "normalized_shape", "weight", "bias", "eps"
+    names = (
+        ("normalized_shape", "weight", "eps")
+        if op == "rms_norm"
+        else ("normalized_shape", "weight", "bias", "eps")
     )
-    call = dict(zip(names, args))
+    call = dict(zip(names, args, strict=False))
     call.update(kwargs)
     named = call.pop("backend", None)
     default_eps = None if op == "rms_norm" else 1e-5
@@ -146,4 +218,8 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         if plan.has_out:
             how = "directly" if r.out_direct else "through one temporary"
             lines.append(f"  out: written {how}")
+        backend_notes = getattr(choice.backend.module, "explain", None)
+        if backend_notes is not None:
+            notes = backend_notes(x, plan=plan)
+            lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)

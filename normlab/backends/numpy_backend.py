@@ -35,7 +35,11 @@ BLOCK_BYTES: Final = 512 * 1024
 
 
 def layer_norm(
-    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, *, plan: Plan,
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    plan: Plan,
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Normalize each row of the 2-D ``x`` (any strides); see :mod:`normlab.hookspecs`."""
@@ -43,7 +47,12 @@ def layer_norm(
 
 
 def rms_norm(
-    x: np.ndarray, weight: np.ndarray | None, bias: None, *, plan: Plan, out: np.ndarray | None,
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: np.ndarray | None,
 ) -> tuple[np.ndarray, None, np.ndarray | None]:
     """RMS-normalize each row of the 2-D ``x``: ``x / sqrt(mean(x^2) + eps) * weight``."""
     y, _, rstd = _normalize(x, weight, None, plan, out, centre=False)
@@ -51,8 +60,12 @@ def rms_norm(
 
 
 def _normalize(
-    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, plan: Plan,
-    out: np.ndarray | None, centre: bool,
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    plan: Plan,
+    out: np.ndarray | None,
+    centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Both ops, block by block: ``centre`` subtracts the shifted two-pass mean (LayerNorm);
     without it the mean square is taken about zero (RMSNorm). NaN and Inf propagate quietly."""
@@ -61,8 +74,12 @@ def _normalize(
 
 
 def _normalize_blocks(
-    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, plan: Plan,
-    out: np.ndarray | None, centre: bool,
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    plan: Plan,
+    out: np.ndarray | None,
+    centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     compute = np.dtype(plan.compute_dtype)
     rows, cols = plan.rows, plan.cols
@@ -124,8 +141,14 @@ def from_numpy(a: np.ndarray, like: Any = None) -> np.ndarray:
 
 
 def layer_norm_backward(
-    dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
-    weight: np.ndarray | None, *, plan: Plan, needs: frozenset[str],
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    plan: Plan,
+    needs: frozenset[str],
 ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂``, ``dbias = Σ dy``
     with ``x̂ = (x - mean) * rstd``, ``g = dy * weight``; see :mod:`normlab.backward`."""
@@ -133,7 +156,12 @@ def layer_norm_backward(
 
 
 def rms_norm_backward(
-    dy: np.ndarray, x: np.ndarray, rstd: np.ndarray, weight: np.ndarray | None, *, plan: Plan,
+    dy: np.ndarray,
+    x: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    plan: Plan,
     needs: frozenset[str],
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``dx = rstd * (g - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂`` with ``x̂ = x * rstd``."""
@@ -142,14 +170,19 @@ def rms_norm_backward(
 
 
 def _backward(
-    dy: np.ndarray, x: np.ndarray, mean: np.ndarray | None, rstd: np.ndarray,
-    weight: np.ndarray | None, plan: Plan, needs: frozenset[str],
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
 ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """Both backward ops, block by block (``mean`` None: RMSNorm, no centring).
 
     ``x̂ = (x - mean - r) * rstd`` with ``r = mean(x - mean)`` the residual of a rounded mean.
     Blocks are whole chunks of :data:`~normlab.backward.ROW_CHUNK` rows; each chunk's column
-    sums (compute dtype) are kept and added in float64, chunk after chunk, at the end.
+    sums (float64) are kept and added chunk after chunk at the end.
     """
     compute = np.dtype(plan.compute_dtype)
     rows, cols = plan.rows, plan.cols
@@ -157,8 +190,8 @@ def _backward(
     block = max(1, BLOCK_BYTES // (cols * compute.itemsize * ROW_CHUNK)) * ROW_CHUNK
     dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
     w = None if weight is None else weight.astype(compute, copy=False)
-    dw_parts = np.empty((chunks, cols), compute) if "weight" in needs else None
-    db_parts = np.empty((chunks, cols), compute) if "bias" in needs else None
+    dw_parts = np.empty((chunks, cols)) if "weight" in needs else None
+    db_parts = np.empty((chunks, cols)) if "bias" in needs else None
     size = min(block, rows)
     xhat, g, t = (np.empty((size, cols), compute) for _ in range(3))
     ones = np.ones(cols, compute)
@@ -200,18 +233,18 @@ def _backward(
 
 
 def _chunk_sums(t: np.ndarray, parts: np.ndarray) -> None:
-    """Column sums of each ROW_CHUNK rows of ``t`` into the first rows of ``parts``."""
+    """Column sums (float64) of each ROW_CHUNK rows of ``t`` into the first rows of ``parts``."""
     n, cols = t.shape
     whole = n // ROW_CHUNK
-    np.add.reduce(
-        t[: whole * ROW_CHUNK].reshape(whole, ROW_CHUNK, cols), axis=1, out=parts[:whole]
-    )
+    chunks = t[: whole * ROW_CHUNK].reshape(whole, ROW_CHUNK, cols)
+    np.add.reduce(chunks, axis=1, dtype=np.float64, out=parts[:whole])
     if n > whole * ROW_CHUNK:
-        np.add.reduce(t[whole * ROW_CHUNK :], axis=0, out=parts[whole])
+        np.add.reduce(t[whole * ROW_CHUNK :], axis=0, dtype=np.float64, out=parts[whole])
 
 
 def _sum_chunks(parts: np.ndarray | None, compute: np.dtype[Any]) -> np.ndarray | None:
-    """The chunks' partial sums added in float64, in chunk order, rounded to ``compute``."""
+    """The chunks' partial sums added in chunk order, rounded once to ``compute``."""
     if parts is None:
         return None
-    return np.add.reduce(parts, axis=0, dtype=np.float64).astype(compute)
+    total: np.ndarray = np.add.reduce(parts, axis=0).astype(compute)
+    return total

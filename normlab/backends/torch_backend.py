@@ -163,13 +163,13 @@ def _backward(
     dx = None
     if "x" in needs:
         g = dyc if weight is None else dyc * weight.to(compute)
-        mean_gx = (g * d).mean(dim=1, keepdim=True)
+        mean_gd = (g * d).mean(dim=1, keepdim=True)
         if res is None:
-            b = -r * r * mean_gx
+            b = -r * r * (r * mean_gd)
             dx = torch.addcmul(b * d, r, g)
         else:
             mean_g = g.mean(dim=1, keepdim=True)
-            b = -r * r * (mean_gx - res * mean_g)
+            b = -r * r * (r * (mean_gd - res * mean_g))
             dx = torch.addcmul(torch.addcmul(-b * res - r * mean_g, b, d), r, g)
         dx = dx.to(x.dtype)
     dweight = dbias = None

@@ -1,0 +1,255 @@
+"""The Numba backward kernels of LayerNorm and RMSNorm, and the backend functions that call them.
+
+Per row (see :mod:`normlab.backward`)::
+
+    x̂  = (x - mean - res) * rstd      res = mean(x - mean): the residual of a rounded mean
+    g  = dy * w
+    dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))
+    dweight, dbias = Σ_rows dy * x̂, Σ_rows dy
+
+RMSNorm is the same kernel with ``mean = res = 0`` and without the ``mean(g)`` term. Elements are
+read and written as in :mod:`normlab.backends.numba_kernels` (float16/bfloat16 as bit patterns,
+computed in float32), whose ``load``/``store``/``narrow`` helpers these kernels use; row sums are
+blocked the same way (compute dtype within a block, float64 across blocks).
+
+dweight and dbias are reduced without atomics or locks: the rows are cut into chunks of
+:data:`~normlab.backward.ROW_CHUNK`; each chunk's column sums of ``dy * x̂`` and ``dy`` (products
+in the compute dtype, sums in float64) go to its own row of a partial-sums array, and the chunks
+are added in chunk order at the end. Threads take whole chunks, so the result does not depend on
+the number of threads, bit for bit.
+
+CPU torch tensors (when the caller names ``backend="numba"``) are read through ``Tensor.numpy()``
+views, as in :mod:`normlab.backends.numba_backend`; tensors that require grad go through the
+custom op ``normlab::layer_norm_backward`` (:mod:`normlab.torch`), which keeps them in the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from normlab.backends.numba_kernels import BLOCK, FASTMATH, _sub, load, narrow, store
+from normlab.backward import ROW_CHUNK
+from normlab.spec import Plan
+
+__all__ = [
+    "backward_chunks",
+    "backward_chunks_parallel",
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "sum_chunks",
+]
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
+def _backward_row(
+    dyr: Any, xr: Any, m: float, r: float, w: Any, dxr: Any, pw: Any, pb: Any, centre: bool
+) -> None:
+    # One row (formula in the module docstring), n = len(xr):
+    #   pass 1: d = x - m, g = dy * w; sums of d, g and g * d (blocked, float64 across blocks)
+    #   res = sum(d) / n; mean(g * x̂) = rstd * (sum(g * d) - res * sum(g)) / n
+    #   pass 2: x̂ = (d - res) * rstd; dx = rstd * (g - mean(g) - x̂ * mean(g * x̂)); pw += dy * x̂;
+    #           pb += dy (three loops: one loop writing three arrays does not vectorise)
+    # dyr, xr: one row of dy and x (elements as in numba_kernels; any stride).
+    # m, r: the row's mean (0 for RMSNorm) and rstd, float64. w: weight, compute dtype, length n.
+    # dxr: the row of dx to write (x's element type), or None. pw, pb: this chunk's partial
+    # sums of dweight and dbias (float64, length n). centre: LayerNorm (else RMSNorm).
+    # Loops index from 0 (slices for the blocks): a start that may be negative would stop Numba's
+    # index wraparound from being proved away, and the loop from vectorising.
+    n = xr.shape[0]
+    mc = narrow(m, w)
+    sum_d = 0.0
+    sum_g = 0.0
+    sum_gd = 0.0
+    for start in range(0, n, BLOCK):
+        xb = xr[start : start + BLOCK]
+        dyb = dyr[start : start + BLOCK]
+        wb = w[start : start + BLOCK]
+        part_d = narrow(0.0, w)
+        part_g = narrow(0.0, w)
+        part_gd = narrow(0.0, w)
+        for j in range(xb.shape[0]):
+            d = _sub(load(xb[j]), mc)
+            g = load(dyb[j]) * wb[j]
+            part_d += d
+            part_g += g
+            part_gd += g * d
+        sum_d += part_d
+        sum_g += part_g
+        sum_gd += part_gd
+    res = sum_d / n if centre else 0.0
+    mean_g = sum_g / n if centre else 0.0
+    mean_gx = r * (sum_gd - res * sum_g) / n
+    rc = narrow(r, w)
+    resc = narrow(res, w)
+    mean_gc = narrow(mean_g, w)
+    mean_gxc = narrow(mean_gx, w)
+    if dxr is not None:
+        for j in range(n):
+            xhat = _sub(_sub(load(xr[j]), mc), resc) * rc
+            dxr[j] = store(rc * (load(dyr[j]) * w[j] - mean_gc - xhat * mean_gxc), dxr)
+    for j in range(n):
+        pw[j] += load(dyr[j]) * (_sub(_sub(load(xr[j]), mc), resc) * rc)
+    for j in range(n):
+        pb[j] += load(dyr[j])
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def backward_chunks(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    w: Any,
+    dx: Any,
+    dw_parts: Any,
+    db_parts: Any,
+    chunk: int,
+    first: int,
+    last: int,
+) -> None:
+    # The backward of chunks first..last-1 (rows c*chunk .. (c+1)*chunk-1 of chunk c), on this
+    # thread. dy, x: 2-D (rows, cols), any strides, elements as in numba_kernels. mean: 1-D
+    # (rows,) float32/float64, or empty for RMSNorm. rstd: 1-D (rows,). w: compute dtype,
+    # contiguous, length cols (ones without weight). dx: 2-D like x to write, or None.
+    # dw_parts, db_parts: (chunks, cols) float64; row c receives chunk c's column sums.
+    rows = x.shape[0]
+    centre = mean.shape[0] != 0
+    for c in range(first, last):
+        pw = dw_parts[c]
+        pb = db_parts[c]
+        pw[:] = 0
+        pb[:] = 0
+        for i in range(c * chunk, min(rows, (c + 1) * chunk)):
+            m = mean[i] if centre else 0.0
+            if dx is None:
+                _backward_row(dy[i], x[i], m, rstd[i], w, None, pw, pb, centre)
+            else:
+                _backward_row(dy[i], x[i], m, rstd[i], w, dx[i], pw, pb, centre)
+
+
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
+def backward_chunks_parallel(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    w: Any,
+    dx: Any,
+    dw_parts: Any,
+    db_parts: Any,
+    chunk: int,
+    threads: int,
+) -> None:
+    # backward_chunks over every chunk, the chunks split into `threads` equal ranges that run in
+    # parallel (threads: numba.get_num_threads() at call time; other arguments as there).
+    chunks = dw_parts.shape[0]
+    for t in prange(threads):
+        backward_chunks(
+            dy, x, mean, rstd, w, dx, dw_parts, db_parts, chunk,
+            chunks * t // threads, chunks * (t + 1) // threads,
+        )  # fmt: skip
+
+
+@njit(error_model="numpy", cache=True)
+def sum_chunks(parts: Any, out: Any) -> None:
+    # out[j] = the sum of parts[c, j] over c, added in chunk order (no fast-math: the order is
+    # the one written), rounded once to out's dtype.
+    # parts: (chunks, cols) float64. out: (cols,) compute dtype.
+    total = np.zeros(parts.shape[1])
+    for c in range(parts.shape[0]):
+        for j in range(parts.shape[1]):
+            total[j] += parts[c, j]
+    for j in range(parts.shape[1]):
+        out[j] = total[j]
+
+
+def layer_norm_backward(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """LayerNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        return _tensors(dy, x, mean, rstd, weight, plan, needs)
+    return _backward(dy, x, mean, rstd, weight, plan, needs)
+
+
+def rms_norm_backward(
+    dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any]:
+    """RMSNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        dx, dweight, _ = _tensors(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    else:
+        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    return dx, dweight
+
+
+def _backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both ops on NumPy arrays (``mean`` None: RMSNorm); weight already in the compute dtype
+    when it comes from a tensor."""
+    from normlab.backends import numba_backend as nb  # at call time: it imports this module
+
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    rows, cols = plan.rows, plan.cols
+    chunks = -(-rows // ROW_CHUNK)
+    w = nb._parameter(weight, compute, cols, 1.0)
+    mean = np.empty(0, rstd.dtype) if mean is None else mean
+    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx_bits = None if dx is None else nb._as_bits(dx, plan.dtype)
+    dw_parts = np.empty((chunks, cols))
+    db_parts = np.empty((chunks, cols))
+    args = (nb._as_bits(dy, plan.dtype), nb._as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
+    threads = 1 if rows * cols < nb.SERIAL_ELEMENTS else min(numba.get_num_threads(), chunks)
+    if threads > 1:
+        backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, threads)
+    else:
+        backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
+    dweight = dbias = None
+    if "weight" in needs:
+        dweight = np.empty(cols, compute)
+        sum_chunks(dw_parts, dweight)
+    if "bias" in needs:
+        dbias = np.empty(cols, compute)
+        sum_chunks(db_parts, dbias)
+    return dx, dweight, dbias
+
+
+def _tensors(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """CPU tensors: zero-copy NumPy views in, tensors out. Tensors that require grad go
+    through the custom op, so that the gradients stay in the graph."""
+    if plan.requires_grad:
+        from normlab.torch import backward_with_autograd
+
+        return backward_with_autograd(dy, x, mean, rstd, weight, needs=needs, backend="numba")
+    import torch
+
+    from normlab.backends import numba_backend as nb
+
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    dx, dweight, dbias = _backward(
+        nb._tensor_as_numpy(dy),
+        nb._tensor_as_numpy(x),
+        None if mean is None else mean.numpy(),
+        rstd.numpy(),
+        nb._tensor_parameter(weight, compute),
+        plan,
+        needs,
+    )
+    return (
+        None if dx is None else nb._numpy_as_tensor(dx, plan.dtype),
+        None if dweight is None else torch.from_numpy(dweight),
+        None if dbias is None else torch.from_numpy(dbias),
+    )
