@@ -14,6 +14,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Final
 
+from normlab.errors import DtypeError
+
 __all__ = [
     "ArrayInfo",
     "Inspector",
@@ -144,6 +146,9 @@ class TorchInspector(Inspector):
         return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)
 
     def info(self, x: Any) -> ArrayInfo:
+        if getattr(x, "is_nested", False) or str(x.layout) != "torch.strided":
+            kind = "a nested tensor" if getattr(x, "is_nested", False) else f"{x.layout} tensor"
+            raise DtypeError(f"normlab normalizes dense (strided) tensors; got {kind}")
         device = str(x.device)
         return ArrayInfo(
             family="torch",
@@ -227,7 +232,8 @@ class DaskInspector(Inspector):
         return (x.dtype, x.shape, type(getattr(x, "_meta", None)))
 
     def info(self, x: Any) -> ArrayInfo:
-        chunk_family = _family_of_type(type(getattr(x, "_meta", None)))
+        meta_type: Any = type(getattr(x, "_meta", None))
+        chunk_family = _family_of_type(meta_type)
         device = "cuda" if chunk_family == "cupy" else "cpu"
         return ArrayInfo(
             family="dask",

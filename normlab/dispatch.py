@@ -39,6 +39,7 @@ _preference: ContextVar[str | None] = ContextVar("normlab_backend_preference", d
 _UNREAD: Final = object()
 _env_preference: Any = _UNREAD
 _choices: dict[tuple[Any, ...], Choice] = {}
+_generation = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +119,15 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
 
 def choose(plan: Plan, named: str | None = None) -> Choice:
     """The backend for ``plan``: ``named`` strictly, else preference, else priority."""
+    global _generation
     preference = _preference.get() or _environment_preference()
-    key = (plan.dispatch_key, named, preference, registry.registry().generation)
+    if named is not None and not isinstance(named, str):
+        raise BackendError(f"unknown backend {named!r}: backend= takes a backend name (str)")
+    generation = registry.registry().generation
+    if generation != _generation:  # plugins came or went: every cached choice is stale
+        _choices.clear()
+        _generation = generation
+    key = (plan.dispatch_key, named, preference)
     choice = _choices.get(key)
     if choice is None:
         choice = _decide(plan, named, preference)

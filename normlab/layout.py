@@ -16,7 +16,7 @@ from typing import Any
 
 from normlab import arrays
 from normlab.dispatch import Choice
-from normlab.errors import ArgumentError
+from normlab.errors import ArgumentError, BackendError, NormlabError
 from normlab.spec import Plan, split_out
 
 __all__ = ["Route", "route", "run"]
@@ -197,8 +197,24 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
     """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
     r = plan.routes.get(choice.backend)
-    if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
-        return r.function(x, weight, bias, plan=plan, out=None)[0]
+    try:
+        if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
+            return r.function(x, weight, bias, plan=plan, out=None)[0]
+        return _run(plan, choice, r, x, weight, bias, out)
+    except NormlabError:
+        raise
+    except Exception as exc:
+        backend = choice.backend
+        raise BackendError(
+            f"backend {backend.name!r} (from {backend.provided_by}) failed in {plan.op}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _run(
+    plan: Plan, choice: Choice, r: Route | None, x: Any, weight: Any, bias: Any, out: Any
+) -> Any:
+    """The general path of :func:`run`: views, copies, ``out``, statistics."""
     out_y, out_mean, out_rstd = split_out(plan.op, out)
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, out_y)

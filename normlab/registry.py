@@ -133,9 +133,12 @@ class Backend:
         if self.record.check is None:
             return None
         try:
-            return self.record.check()
+            reason = self.record.check()
         except Exception as exc:  # a broken check makes the backend unavailable, not normlab
             return f"availability check raised {type(exc).__name__}: {exc}"
+        if reason is None or isinstance(reason, str):
+            return reason
+        return f"availability check returned {reason!r}, not None or a reason"
 
     @property
     def module(self) -> ModuleType:
@@ -201,7 +204,7 @@ class Registry:
     def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
         try:
             plugin = load()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
             return
         try:
@@ -220,7 +223,10 @@ class Registry:
         plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
         if self.manager.is_registered(plugin) or self.manager.has_plugin(plugin_name):
             raise BackendError(f"plugin {plugin_name!r} is already registered")
-        self.manager.register(plugin, name=plugin_name)
+        try:
+            self.manager.register(plugin, name=plugin_name)
+        except pluggy.PluginValidationError as exc:
+            raise BackendError(f"plugin {plugin_name!r} has an invalid hook: {exc}") from exc
         try:
             records = self._records_of(plugin, plugin_name)
             new = self._admit(records, plugin_name, source)
@@ -239,16 +245,18 @@ class Registry:
                 continue
             try:
                 result = impl.function()
+                if not isinstance(result, Iterable):
+                    raise BackendError(
+                        f"plugin {plugin_name!r}: normlab_backends() must return a list of "
+                        f"BackendRecord, got {type(result).__name__}"
+                    )
+                records.extend(result)  # a generator may raise here
+            except BackendError:
+                raise
             except Exception as exc:
                 raise BackendError(
                     f"plugin {plugin_name!r}: normlab_backends() raised {type(exc).__name__}: {exc}"
                 ) from exc
-            if not isinstance(result, Iterable):
-                raise BackendError(
-                    f"plugin {plugin_name!r}: normlab_backends() must return a list of "
-                    f"BackendRecord, got {type(result).__name__}"
-                )
-            records.extend(result)
         if not records:
             raise BackendError(f"plugin {plugin_name!r} provides no normlab_backends() records")
         return records
@@ -297,6 +305,8 @@ def _check_record(record: Any, plugin_name: str) -> None:
             problems.append(f"{field_name} must be a frozenset of str, got {value!r}")
     if isinstance(record.capabilities, frozenset) and record.capabilities - CAPABILITIES:
         problems.append(f"unknown capabilities {sorted(record.capabilities - CAPABILITIES)}")
+    if record.library is not None and not isinstance(record.library, str):
+        problems.append(f"library must be a distribution name or None, got {record.library!r}")
     if not isinstance(record.priority, int):
         problems.append(f"priority must be an int, got {record.priority!r}")
     if not isinstance(record.module, str) or not record.module:

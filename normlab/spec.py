@@ -173,7 +173,7 @@ def plan(
             None if out is None else _out_key(out),
         )
         cached = _cache.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validate the slow way
+    except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
         key, cached = None, None
     if cached is not None:
         return cached
@@ -378,7 +378,10 @@ def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) 
 def _check_eps(eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
-    value = float(eps)
+    try:
+        value = float(eps)
+    except OverflowError:
+        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}") from None
     if not math.isfinite(value) or value < 0:
         raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
     return value
@@ -442,6 +445,8 @@ def _check_out_array(
         raise DeviceError(f"{name} is on device {oi.device} but x is on {xi.device}")
     if oi.masked or oi.dtype != dtype:
         raise DtypeError(f"{name} has dtype {oi.dtype}; it must be {dtype}")
+    if not oi.native_byte_order:
+        raise DtypeError(f"{name} has non-native byte order; pass a native-order {dtype} array")
     if oi.shape != shape:
         raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
     if not oi.writeable:

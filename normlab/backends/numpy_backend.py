@@ -86,7 +86,6 @@ def _normalize_blocks(
     y = out if out is not None else np.empty((rows, cols), dtype=x.dtype)
     w = None if weight is None else weight.astype(compute, copy=False)
     b = None if bias is None else bias.astype(compute, copy=False)
-    eps = compute.type(plan.eps)
     means = np.empty(rows, compute) if plan.return_stats and centre else None
     rstds = np.empty(rows, compute) if plan.return_stats else None
     block = max(1, BLOCK_BYTES // (cols * compute.itemsize))
@@ -109,9 +108,8 @@ def _normalize_blocks(
             np.copyto(t, xb, casting="unsafe")
         var = np.vecdot(t, t)[:, None]
         var /= cols
-        var += eps
-        rstd = np.sqrt(var, out=var)
-        np.divide(1, rstd, out=rstd)
+        # eps is added in float64: an eps below float32's range must not vanish
+        rstd = (1.0 / np.sqrt(var.astype(np.float64) + plan.eps)).astype(compute)
         t *= rstd
         if w is not None:
             t *= w
