@@ -310,5 +310,12 @@ def info(x: Any) -> ArrayInfo:
 
 
 def is_array(x: Any) -> bool:
-    """Whether ``x`` looks like an array (has ``shape`` and ``dtype``)."""
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    """Whether ``x`` looks like an array (has ``shape`` and ``dtype``).
+
+    An object whose ``shape`` cannot even be read (a nested tensor) counts as an array here, so
+    that reading its metadata reports what is wrong with it.
+    """
+    try:
+        return hasattr(x, "shape") and hasattr(x, "dtype")
+    except Exception:
+        return True

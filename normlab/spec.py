@@ -19,7 +19,7 @@ from typing import Any, Final, cast
 
 from normlab import arrays
 from normlab.arrays import ArrayInfo
-from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
+from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError, ShapeError
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -251,7 +251,7 @@ def _validate(
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
     out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute, op)
     out_strides = None
-    if out_y is not None:
+    if out_y is not None and out_y.native_byte_order:  # else written through a temporary
         out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
     rows = math.prod(xi.shape[a] for a in batch_axes)
     requires_grad = xi.requires_grad or any(
@@ -293,7 +293,15 @@ def _array_info(name: str, value: Any) -> ArrayInfo:
             f"{name} must be an array (numpy.ndarray, torch.Tensor, cupy.ndarray, …), "
             f"got {type(value).__name__}"
         )
-    return arrays.info(value)
+    try:
+        return arrays.info(value)
+    except NormlabError:
+        raise
+    except Exception as exc:
+        raise DtypeError(
+            f"{name} ({type(value).__module__}.{type(value).__qualname__}) cannot be read as an "
+            f"array: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _check_float(name: str, info: ArrayInfo) -> None:
@@ -443,10 +451,10 @@ def _check_out_array(
         raise DeviceError(f"{name} is a {oi.type_name} but x is a {xi.type_name}")
     if not arrays.comparable_devices(oi.device, xi.device):
         raise DeviceError(f"{name} is on device {oi.device} but x is on {xi.device}")
-    if oi.masked or oi.dtype != dtype:
+    if oi.masked:
+        raise DtypeError(f"{name} is a numpy masked array; pass a plain {dtype} array")
+    if oi.dtype != dtype:
         raise DtypeError(f"{name} has dtype {oi.dtype}; it must be {dtype}")
-    if not oi.native_byte_order:
-        raise DtypeError(f"{name} has non-native byte order; pass a native-order {dtype} array")
     if oi.shape != shape:
         raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
     if not oi.writeable:

@@ -17,7 +17,6 @@ from normlab.backends import BUILTIN_RECORDS
 from normlab.errors import BackendError
 from normlab.testing import pytest_plugin
 
-
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
 #: catch a failure: once one is fixed, test_backend_conforms asks to remove it.
 KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {
