@@ -40,7 +40,7 @@ from normlab import arrays, dispatch, layout, spec
 from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
 from normlab.spec import Plan
 
-__all__ = ["GRADIENTS", "ROW_CHUNK", "BackwardPlan", "gradients", "plan", "run"]
+__all__ = ["GRADIENTS", "ROW_CHUNK", "BackwardPlan", "clear_cache", "gradients", "plan", "run"]
 
 #: The gradients each backward op can return, in the order it returns them.
 GRADIENTS: Final = {
@@ -202,6 +202,11 @@ def plan(
             _cache.clear()
         _cache[key] = result
     return result
+
+
+def clear_cache() -> None:
+    """Forget every cached backward plan."""
+    _cache.clear()
 
 
 def _array_key(a: Any) -> tuple[Any, ...]:

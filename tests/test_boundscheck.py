@@ -1,0 +1,118 @@
+"""Kernels out of bounds: Numba's bounds checks, proven to work, over the conformance suite.
+
+``NUMBA_BOUNDSCHECK=1`` compiles every array access with a bounds check that raises
+``IndexError``. It only applies to code compiled in that process: machine code from Numba's
+on-disk cache (normlab's kernels are ``cache=True``) keeps the setting it was compiled with. So
+every run here gets an empty ``NUMBA_CACHE_DIR``, and each proves the check is in force with a
+deliberately out-of-bounds kernel (:mod:`oob_kernel`) before it trusts a clean result.
+
+The whole conformance suite under bounds checks takes about half a minute: it runs with
+``NORMLAB_SLOW_TESTS=1`` (the nox session ``boundscheck``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("numba")
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+SLOW = os.environ.get("NORMLAB_SLOW_TESTS", "") not in ("", "0")
+
+#: Python run in a child: calls the out-of-bounds kernel on a view whose next element is 10.
+PROBE = """
+import json, numpy as np, numba, oob_kernel
+memory = np.array([1.0, 2.0, 3.0, 10.0])
+try:
+    outcome = oob_kernel.sum_one_past_the_end(memory[:3])
+except IndexError as exc:
+    outcome = f"IndexError: {exc}"
+print(json.dumps({"boundscheck": bool(numba.config.BOUNDSCHECK), "outcome": outcome}))
+"""
+
+
+def run_child(code: str, cache: Path, boundscheck: str, timeout: float = 120) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter with this bounds-check setting and Numba cache; its
+    last line of output is JSON."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "NORMLAB_"))}
+    env.update(
+        NUMBA_BOUNDSCHECK=boundscheck,
+        NUMBA_CACHE_DIR=str(cache),
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]),
+        NORMLAB_DISABLE_PLUGIN_AUTOLOAD="1",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_without_boundscheck_the_kernel_is_silently_wrong(tmp_path: Path) -> None:
+    result = run_child(PROBE, tmp_path / "cache", boundscheck="0")
+    assert result == {"boundscheck": False, "outcome": 16.0}  # 1 + 2 + 3 + the stray 10
+
+
+def test_with_boundscheck_and_a_fresh_cache_the_kernel_fails(tmp_path: Path) -> None:
+    result = run_child(PROBE, tmp_path / "cache", boundscheck="1")
+    assert result["boundscheck"] is True
+    assert result["outcome"] == "IndexError: index is out of bounds"
+
+
+def test_cached_code_ignores_the_flag(tmp_path: Path) -> None:
+    """Why every bounds-checked run needs an empty cache: code cached without checks runs
+    without them, whatever NUMBA_BOUNDSCHECK says."""
+    cache = tmp_path / "cache"
+    run_child(PROBE, cache, boundscheck="0")
+    assert run_child(PROBE, cache, boundscheck="1") == {"boundscheck": True, "outcome": 16.0}
+
+
+def test_normlab_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None:
+    """Asked for one row too many, normlab's own kernel raises instead of reading past x."""
+    code = """
+    import json, numpy as np
+    from normlab.backends.numba_kernels import layer_norm_rows
+    x = np.ones((3, 4), np.float32)
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    mean, rstd = np.empty(3, np.float32), np.empty(3, np.float32)
+    y = np.empty_like(x)
+    layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, 0, 3)  # in bounds: fine
+    try:
+        layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, 0, 4)
+        outcome = "no error"
+    except IndexError as exc:
+        outcome = f"IndexError: {exc}"
+    print(json.dumps({"outcome": outcome}))
+    """
+    result = run_child(code, tmp_path / "cache", boundscheck="1")
+    assert result == {"outcome": "IndexError: index is out of bounds"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="half a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
+def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
+    """The conformance suite on numba, every kernel compiled afresh with bounds checks."""
+    code = PROBE + textwrap.dedent(
+        """
+        assert outcome.startswith("IndexError"), "bounds checks are not in force"
+        import normlab.testing
+        exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
+        print(json.dumps({"exit_code": exit_code}))
+        """
+    )
+    result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
+    assert result["exit_code"] == 0

@@ -1,0 +1,214 @@
+"""Faulty plugins: one bad plugin never takes the rest down.
+
+Every fault of :mod:`faulty_plugins` is installed at once, as entry points of a fake
+distribution ``faulty-plugins 0.1`` on the path of a child interpreter: plugins that fail to
+import, raise in their hook or return malformed records, plus backends whose availability check
+raises or returns a bool, whose module is missing or whose kernel crashes. Each failure must
+name the plugin and its distribution, ``normlab info`` must show it, and every other backend must
+keep giving the reference result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import faulty_plugins
+import numpy as np
+import pytest
+from faulty_plugins import FAULTS, IMPORT_FAILURES, LOADED
+
+import normlab
+from normlab import registry
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+DISTRIBUTION = "faulty-plugins 0.1"
+
+
+def install(folder: Path, entry_points: dict[str, str], modules: dict[str, str]) -> None:
+    """A fake installed distribution ``faulty-plugins 0.1`` in ``folder`` with these entry points
+    (name -> value) in the ``normlab`` group, and these plugin modules (name -> source)."""
+    info = folder / "faulty_plugins-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-plugins\nVersion: 0.1\n")
+    lines = [f"{name} = {value}" for name, value in entry_points.items()]
+    (info / "entry_points.txt").write_text("[normlab]\n" + "\n".join(lines) + "\n")
+    for name, source in modules.items():
+        (folder / f"{name}.py").write_text(source)
+
+
+def run_python(folder: Path, code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` (or ``python -m ...`` with ``args``) with ``folder`` on the path."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("NORMLAB_")}
+    environment.update(
+        PYTHONPATH=os.pathsep.join([str(folder), str(TESTS), str(ROOT)]), COLUMNS="1000", **env
+    )
+    command = [sys.executable, *(args or ("-c", textwrap.dedent(code)))]
+    return subprocess.run(
+        command, env=environment, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def faulty_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the fake distribution with every handled fault, and the good plugin."""
+    folder = tmp_path_factory.mktemp("site")
+    install(
+        folder, {**LOADED, **{name: value for name, (value, _) in FAULTS.items()}}, IMPORT_FAILURES
+    )
+    return folder
+
+
+#: Run in the child: what loaded, what failed, and what every backend computes.
+CHILD = """
+import json, warnings
+import numpy as np
+import normlab
+from normlab import reference
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    backends = {b.name: b for b in normlab.list_backends()}
+x = np.random.default_rng(0).standard_normal((4, 8))
+expected = reference.layer_norm(x)[0]
+results = {}
+for name in ("numpy", "numba", "torch", "survivor", "faulty_unwell", "faulty_homeless",
+             "faulty_kernel", "faulty_twin", "faulty_boolean"):
+    array = x.astype(np.float32)
+    if name == "torch":
+        import torch
+        array = torch.from_numpy(array)
+    try:
+        y = np.asarray(normlab.layer_norm(array, backend=name), dtype=np.float64)
+        results[name] = "ok" if np.allclose(y, expected, atol=1e-4) else "wrong"
+    except normlab.NormlabError as exc:
+        results[name] = f"NormlabError: {exc}"
+    except Exception as exc:
+        results[name] = f"raw {type(exc).__name__}: {exc}"
+default = normlab.layer_norm(x)
+print(json.dumps({
+    "failures": [[f.plugin, f.source, f.error] for f in normlab.plugin_failures()],
+    "warnings": [str(w.message) for w in caught if issubclass(w.category, normlab.NormlabWarning)],
+    "backends": {n: [b.provided_by, b.reason] for n, b in backends.items()},
+    "results": results,
+    "default": bool(np.allclose(default, expected)),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def outcome(faulty_site: Path) -> dict[str, Any]:
+    done = run_python(faulty_site, CHILD)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_every_failed_plugin_is_recorded_with_its_source(outcome: dict[str, Any]) -> None:
+    failures = {plugin: (source, error) for plugin, source, error in outcome["failures"]}
+    for name, (_, says) in FAULTS.items():
+        assert name in failures, f"{name} failed silently"
+        source, error = failures[name]
+        assert source == DISTRIBUTION
+        assert says in error, f"{name}: {error!r} does not say {says!r}"
+
+
+def test_each_failure_is_warned_about_once(outcome: dict[str, Any]) -> None:
+    for name in FAULTS:
+        warned = [w for w in outcome["warnings"] if f"normlab plugin {name!r}" in w]
+        assert len(warned) == 1, (name, outcome["warnings"])
+
+
+def test_plugins_that_load_keep_their_backends(outcome: dict[str, Any]) -> None:
+    backends = outcome["backends"]
+    loaded = (
+        "survivor",
+        "faulty_twin",
+        "faulty_unwell",
+        "faulty_homeless",
+        "faulty_kernel",
+        "faulty_boolean",
+    )
+    for name in loaded:
+        assert backends[name][0] == DISTRIBUTION
+    assert backends["numpy"][0] == "built-in"  # not shadowed
+    refused = ("faulty_half_done", "faulty_fast", "faulty_signed", "faulty_library")
+    assert not set(refused) & set(backends)  # a refused plugin registers none of its records
+    assert "OSError: the plugin's probe exploded" in backends["faulty_unwell"][1]
+    assert "returned True, not None or a reason" in backends["faulty_boolean"][1]
+
+
+def test_the_other_backends_keep_giving_the_reference(outcome: dict[str, Any]) -> None:
+    results = outcome["results"]
+    assert outcome["default"]
+    for name in ("numpy", "numba", "torch", "survivor", "faulty_twin"):
+        if name in ("numba", "torch") and not registry.get(name).available:
+            continue
+        assert results[name] == "ok", (name, results[name])
+
+
+def test_broken_backends_say_which_backend_and_why(outcome: dict[str, Any]) -> None:
+    results = outcome["results"]
+    for name in ("faulty_unwell", "faulty_boolean"):
+        assert results[name].startswith(f"NormlabError: backend {name!r}")
+        assert "unavailable" in results[name]
+    for name, says in (
+        ("faulty_homeless", "no_such_backend_module_x"),
+        ("faulty_kernel", "RuntimeError: the faulty kernel crashed"),
+    ):
+        assert results[name].startswith(f"NormlabError: backend {name!r}")
+        assert DISTRIBUTION in results[name] and says in results[name]
+
+
+def test_normlab_info_shows_what_is_wrong(faulty_site: Path) -> None:
+    done = run_python(faulty_site, "", "-m", "normlab", "info")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "Plugins that failed to load" in out
+    for name, (_, says) in FAULTS.items():
+        row = next((line for line in out.splitlines() if f"│ {name} " in line), "")
+        assert DISTRIBUTION in row and says in row, f"{name} is not shown: {row!r}"
+    unwell = next(line for line in out.splitlines() if "│ faulty_unwell " in line)
+    assert "unavailable — availability check raised OSError" in unwell
+    assert "NormlabWarning" not in done.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A kernel that crashes at call time (in this process)
+
+
+@pytest.fixture
+def kernel_raises() -> Iterator[None]:
+    normlab.register_plugin(faulty_plugins.KERNEL_RAISES)
+    yield
+    normlab.unregister_plugin(faulty_plugins.KERNEL_RAISES)
+
+
+@pytest.mark.usefixtures("kernel_raises")
+def test_a_crashing_kernel_leaves_the_other_backends_working() -> None:
+    x = np.random.default_rng(1).standard_normal((3, 5)).astype(np.float32)
+    expected = normlab.layer_norm(x, backend="numpy")
+    for _ in range(2):  # a failed call leaves no state behind: the second behaves the same
+        with pytest.raises(normlab.BackendError, match="the faulty kernel crashed"):
+            normlab.layer_norm(x, backend="faulty_kernel")
+        with normlab.use_backend("faulty_kernel"):  # it serves no float64: others do
+            wide = normlab.layer_norm(x.astype(np.float64))
+        np.testing.assert_allclose(wide, expected, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(normlab.layer_norm(x, backend="numpy"), expected)
+
+
+@pytest.mark.usefixtures("kernel_raises")
+def test_a_crashing_kernel_is_a_backend_error_naming_backend_and_plugin() -> None:
+    x = np.ones((3, 5), np.float32)
+    with pytest.raises(normlab.BackendError) as info:
+        normlab.layer_norm(x, backend="faulty_kernel")
+    message = str(info.value)
+    assert "faulty_kernel" in message and "register_plugin(kernel_raises)" in message
+    assert "the faulty kernel crashed" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
