@@ -364,16 +364,18 @@ def test_torch_out_and_in_place(torch: Any) -> None:
     assert _call(t, out=t)[0] is t and torch.equal(t, expected)
 
 
-def test_torch_requires_grad_is_refused(torch: Any) -> None:
+def test_torch_requires_grad_keeps_the_graph(torch: Any) -> None:
     x = torch.randn(4, 6)
     w = torch.ones(6, requires_grad=True)
-    with pytest.raises(BackendError, match="autograd"):
+    y = normlab.layer_norm(x, weight=w, backend="numba")
+    assert y.grad_fn is not None  # through normlab's custom ops, never detached
+    with pytest.raises(BackendError, match="autograd"):  # out= cannot keep a graph
         numba_backend.layer_norm(
             x,
             w,
             None,
             plan=spec.plan("layer_norm", x, None, w, None, 1e-5, None, False, None),
-            out=None,
+            out=torch.empty(4, 6),
         )
     with torch.no_grad():
         y, _, _ = _call(x, w)

@@ -21,11 +21,19 @@ from typing import Any, Final
 import numba
 import numpy as np
 
+from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import layer_norm_rows, layer_norm_rows_parallel
 from normlab.errors import BackendError
 from normlab.spec import Plan
 
-__all__ = ["SERIAL_ELEMENTS", "from_numpy", "layer_norm", "to_numpy"]
+__all__ = [
+    "SERIAL_ELEMENTS",
+    "from_numpy",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "to_numpy",
+]
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
@@ -44,6 +52,10 @@ def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> tuple
     """
     compute = np.float64 if plan.dtype == "float64" else np.float32
     torch_family = plan.family == "torch"
+    if torch_family and plan.requires_grad and out is None:  # inside autograd: custom ops
+        from normlab.torch import layer_norm_with_autograd
+
+        return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="numba")
     if torch_family:
         _refuse_grad(x, weight, bias, out)
         x_np = _tensor_as_numpy(x)
