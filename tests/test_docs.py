@@ -50,6 +50,13 @@ EXAMPLES = _examples()
 
 def _missing(code: str) -> str | None:
     """Why this example cannot run here, or None."""
+    for call in ast.walk(ast.parse(code)):
+        for keyword in getattr(call, "keywords", ()):
+            named = keyword.value
+            if keyword.arg == "backend" and isinstance(named, ast.Constant):
+                backend = registry.registry().backends.get(str(named.value))
+                if backend is not None and not backend.available:
+                    return f"the {named.value} backend is unavailable: {backend.reason}"
     for node in ast.parse(code).body:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
