@@ -23,7 +23,7 @@ nox.options.sessions = [
     "bench-quick",
 ]
 
-LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "noxfile.py")
+LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "fuzz", "noxfile.py")
 EXAMPLE_PLUGIN = "./plugins/normlab-example"
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
@@ -116,3 +116,38 @@ def demo(session: nox.Session) -> None:
     _isolate(session)
     session.install(".[numba,torch,bfloat16]")
     session.run("python", "-m", "normlab", "demo")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Coverage-guided fuzzing of the validation layer (atheris) for a minute."""
+    _isolate(session)
+    session.install(".[test,numba]", "atheris")
+    tmp = Path(session.create_tmp())
+    corpus = tmp / "fuzz-corpus"
+    corpus.mkdir(exist_ok=True)
+    session.run(
+        "python",
+        "fuzz/fuzz_validation.py",
+        "-max_total_time=60",
+        "-timeout=20",
+        f"-artifact_prefix={tmp}/",
+        str(corpus),
+        *session.posargs,
+    )
+
+
+@nox.session
+def boundscheck(session: nox.Session) -> None:
+    """The conformance suite on numba, every kernel compiled afresh with bounds checks."""
+    _isolate(session)
+    session.install(".[test,numba]")
+    session.env["NORMLAB_SLOW_TESTS"] = "1"
+    session.run("pytest", "tests/test_boundscheck.py", *session.posargs)
+
+
+@nox.session
+def wheel(session: nox.Session) -> None:
+    """Build sdist and wheel, install the wheel in a fresh venv, run the suite from there."""
+    session.install("build")
+    session.run("bash", "scripts/check_wheel.sh", "python", external=True)

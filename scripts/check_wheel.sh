@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The installed wheel: build the sdist and, from it, the wheel; install the wheel (with the test
+# The installed wheel: build the sdist and, from it, the wheel, out of a clean copy of the source
+# tree (the files git tracks or would track); install the wheel (with the test
 # and numba extras) into a fresh virtual environment; then, from a folder where the source tree
 # is not importable, check that every CUDA source is inside the installed package and run the
 # conformance suite on the numpy and numba backends. An editable install hides missing package
@@ -14,8 +15,17 @@ python=${1:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+echo "== copy the source tree as git sees it (no stale build/ or *.egg-info to borrow files from)"
+mkdir "$work/src"
+(
+    cd "$root"
+    git ls-files -z --cached --others --exclude-standard \
+        | while IFS= read -r -d '' file; do [ -e "$file" ] && printf '%s\0' "$file"; done \
+        | tar --null -T - -cf -
+) | tar -xf - -C "$work/src"
+
 echo "== build the sdist, then the wheel from the sdist"
-"$python" -m build --outdir "$work/dist" "$root"
+"$python" -m build --outdir "$work/dist" "$work/src"
 sdist=$(ls "$work"/dist/normlab-*.tar.gz)
 wheel=$(ls "$work"/dist/normlab-*.whl)
 

@@ -11,7 +11,7 @@ Numba runs parallel kernels on a *threading layer*; which one depends on what is
 :func:`test_the_threading_layer_in_use`). ``omp`` and ``tbb`` may be entered by several threads
 at once; ``workqueue`` may not, which :func:`test_workqueue_layer_with_concurrent_callers`
 shows. ``NORMLAB_STRESS=N`` multiplies the callers and calls (the figures of
-docs/reliability.md come from ``NORMLAB_STRESS=10``).
+docs/reliability.md come from ``NORMLAB_STRESS=25``).
 """
 
 from __future__ import annotations
