@@ -9,8 +9,10 @@ elements. An ``out`` that is ``x``'s very memory is normalized in place. Inputs 
 ``numba.get_num_threads()`` threads, a contiguous range of rows each.
 
 Torch CPU tensors (served only when the caller names ``backend="numba"``) are read and written
-through ``Tensor.numpy()`` views of the same memory; the results are tensors. A tensor that
-requires grad is refused: these kernels do not record a graph.
+through ``Tensor.numpy()`` views of the same memory; the results are tensors. The kernels record
+no autograd graph: a call whose plan requires grad (x, weight or bias) goes through normlab's
+torch custom ops (:mod:`normlab.torch`), which call back here with tensors that do not; such a
+call with ``out=`` is refused (:class:`BackendError`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ __all__ = [
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
 #: milliseconds (measured on 2 cores; see docs/numba.md).
 SERIAL_ELEMENTS: Final = 1 << 15
+
+#: Rows up to this long keep their stand-in weight and bias (ones, zeros) cached between calls.
+_CACHED_COLS: Final = 1 << 16
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
@@ -121,6 +126,8 @@ def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
 def _parameter(p: Any, compute: type, cols: int, fill: float) -> np.ndarray:
     """Weight or bias as a contiguous compute-dtype array; ``fill`` repeated when absent."""
     if p is None:
+        if cols > _CACHED_COLS:
+            return np.full(cols, fill, dtype=compute)
         return _constant(cols, compute, fill)
     if p.dtype == compute and p.flags.c_contiguous:
         return p  # type: ignore[no-any-return]
