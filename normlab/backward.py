@@ -185,14 +185,14 @@ def plan(
     try:
         key = (
             op,
-            *(None if a is None else _array_key(a) for a in (dy, x, mean, rstd, weight)),
+            *(None if a is None else spec._param_key(a) for a in (dy, x, mean, rstd, weight)),
             spec._dims_key(normalized_shape) if normalized_shape is not None else None,
             spec._dims_key(axis) if axis is not None else None,
             type(needs),
             tuple(needs) if isinstance(needs, (tuple, list)) else needs,
         )
         cached = _cache.get(key)
-    except (TypeError, AttributeError):  # unhashable or not an array: validate the slow way
+    except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
         key, cached = None, None
     if cached is not None:
         return cached
@@ -207,10 +207,6 @@ def plan(
 def clear_cache() -> None:
     """Forget every cached backward plan."""
     _cache.clear()
-
-
-def _array_key(a: Any) -> tuple[Any, ...]:
-    return type(a), arrays.inspector(type(a)).key(a)
 
 
 def _validate(

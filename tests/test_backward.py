@@ -612,3 +612,11 @@ def test_bad_input_across_libraries() -> None:
             _lnb(**changes)()
     with pytest.raises(normlab.DeviceError, match=r"weight is a torch\.Tensor"):
         _lnb(weight=torch.from_numpy(W))()
+
+
+def test_a_sparse_gradient_is_a_dtype_error() -> None:
+    torch = pytest.importorskip("torch")
+    dy = torch.randn(3, 4).to_sparse()
+    stats = torch.ones(3, 1)
+    with pytest.raises(normlab.DtypeError, match="dense"):
+        normlab.layer_norm_backward(dy, dy, stats, stats)
