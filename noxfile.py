@@ -21,6 +21,9 @@ nox.options.sessions = [
     "plugin-dask",
     "docs",
     "bench-quick",
+    "wheel",
+    "boundscheck",
+    "fuzz",
 ]
 
 LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "fuzz", "noxfile.py")
@@ -48,7 +51,7 @@ def tests_numpy(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """The tests with every backend library and the example plugin installed."""
     _isolate(session)
-    session.install(".[test,numba,torch,cupy,bfloat16]", EXAMPLE_PLUGIN)
+    session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN)
     session.run("pytest", "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
 
