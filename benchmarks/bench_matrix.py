@@ -1,15 +1,19 @@
-"""The benchmark matrix: every usable backend × shape × dtype, beside its reference points.
+"""The benchmark matrix: every usable backend × op × shape × dtype, beside its reference points.
 
 Run it through ``benchmarks/run.py --quick`` or ``--full`` (pytest-benchmark underneath;
 ``conftest.py`` holds the budget, the progress line and the saved JSON). Backends come from
-:func:`normlab.list_backends` (plugins included); one that is unavailable or fails to load is
-skipped with its reason. Each case is timed with ``benchmark.pedantic`` after an untimed warm-up
-call, so JIT compilation is excluded; its rounds come from its share of the time budget.
+:func:`normlab.list_backends` (plugins included) and are measured on each op their record lists
+(:data:`workloads.OPS`: ``layer_norm``, ``rms_norm`` and their backwards), decided at run time;
+one that is unavailable, lacks the op or fails to load is skipped with its reason. Each case is
+timed with ``benchmark.pedantic`` after an untimed warm-up call, so JIT compilation is
+excluded; its rounds come from its share of the time budget.
 
 Shapes are ``[rows, hidden]`` with rows 1…65536 and hidden sizes 64…16384 (capped at 2**26
-elements) plus a few ``[batch, seq, hidden]`` shapes. The textbook formula runs only where its
-temporaries (up to six times the input, in float32 or wider) fit in a quarter of the memory.
-Also here: the dispatch overhead on a tiny array, and peak memory per backend on a large input.
+elements) plus a few ``[batch, seq, hidden]`` shapes, the same for every op in the full matrix;
+the quick one takes four shapes for LayerNorm and two (one latency-bound, one bandwidth-bound)
+for the other ops. The textbook formula runs only where its temporaries (up to six times the
+input, in float32 or wider) fit in a quarter of the memory. Also here: the dispatch overhead
+on a tiny array, and peak memory per backend on a large input (both LayerNorm forward).
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import memory
 import numpy as np
 import pytest
 from workloads import (
+    LIMITS,
+    OPS,
     REFERENCES,
+    Workload,
     backend_call,
     completing,
     make_input,
     make_params,
+    moved_bytes,
     numpy_dtype,
     reference_call,
 )
@@ -46,11 +54,20 @@ CAP_ELEMENTS: Final = 2**26
 HIDDEN: Final = (64, 768, 1000, 1024, 4096, 16384)
 ROWS: Final = (1, 64, 1024, 16384, 65536)
 RANK3: Final = ((32, 128, 768), (8, 512, 1024), (4, 2048, 4096))
-QUICK_SHAPES: Final = ((1, 1000), (1024, 768), (1024, 4096), (8, 512, 768))
+#: The quick matrix's shapes per op (the full matrix measures every op on every shape).
+QUICK_SHAPES: Final = {
+    "layer_norm": ((1, 1000), (1024, 768), (1024, 4096), (8, 512, 768)),
+    "rms_norm": ((1, 1000), (1024, 4096)),
+    "layer_norm_backward": ((1, 1000), (1024, 4096)),
+    "rms_norm_backward": ((1, 1000), (1024, 4096)),
+}
 DTYPES: Final = {
     "quick": ("float32", "float16"),
     "full": ("float32", "float16", "bfloat16", "float64"),
 }
+FORWARDS: Final = ("layer_norm", "rms_norm")
+#: Relative cost of a backward call to a forward one on the same input (three arrays, not two).
+BACKWARD_COST: Final = 1.5
 TEXTBOOK_TEMPORARIES: Final = 6
 #: A round lasts at least this long (tiny calls are repeated within a round).
 MIN_ROUND_S: Final = 1e-4
@@ -68,18 +85,28 @@ MEMORY_DTYPES: Final = {"quick": ("float32",), "full": ("float32", "float16")}
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    """One timed call: a backend (``kind`` "layer_norm") or a reference point, on one input."""
+    """One timed call: ``op`` through backend ``subject``, or a reference point of ``op``.
 
-    kind: str
+    A copy limit (:data:`workloads.LIMITS`) serves every op of its input: its ``op`` is None.
+    """
+
+    op: str | None
     subject: str
     mode: str
     shape: tuple[int, ...]
     dtype: str
+    reference: bool = False
+
+    @property
+    def kind(self) -> str:
+        """What the saved JSON calls it: ``"reference"``, or the op of a backend call."""
+        return "reference" if self.reference or self.op is None else self.op
 
     @property
     def id(self) -> str:
-        what = f"ref-{self.subject}" if self.kind == "reference" else f"{self.subject}-{self.mode}"
-        return f"{self.dtype}-{'x'.join(map(str, self.shape))}-{what}"
+        what = f"ref-{self.subject}" if self.reference else f"{self.subject}-{self.mode}"
+        op = "" if self.op is None else f"{self.op}-"
+        return f"{self.dtype}-{'x'.join(map(str, self.shape))}-{op}{what}"
 
     @property
     def elements(self) -> int:
@@ -88,27 +115,36 @@ class Case:
     @property
     def weight(self) -> float:
         """Relative cost, for sharing the time budget: the input size plus a floor per call."""
-        return float(self.elements * 4 + 2**20)
+        cost = 1.0 if self.op in (None, *FORWARDS) else BACKWARD_COST
+        return float(self.elements * 4 * cost + 2**20)
 
 
 # --------------------------------------------------------------------------------------------
-# Which backends, shapes and dtypes; skipped ones carry their reason.
+# Which backends, ops, shapes and dtypes; skipped ones carry their reason.
 
 
 def refusal(backend: Backend) -> str | None:
     """Why ``backend`` is left out of the matrix here, or ``None`` when it is measured."""
     if not backend.available:
         return f"is unavailable: {backend.reason}"
-    if "layer_norm" not in backend.ops:
-        return "does not provide layer_norm"
     try:
-        backend.function("layer_norm")
         probe = backend.from_numpy(np.zeros((1, 8), np.float32))
     except Exception as exc:  # a broken backend is reported and skipped, not fatal
         return f"is broken: {type(exc).__name__}: {exc}"
     device = spec.plan("layer_norm", probe, None, None, None, 1e-5, None, False, None).device_kind
     if device != "cpu":
         return f"keeps its arrays on {device}; this matrix measures CPU backends"
+    return None
+
+
+def op_refusal(backend: Backend, op: str) -> str | None:
+    """Why ``backend`` (usable here) is not measured on ``op``, or ``None``: its record's ops."""
+    if op not in backend.ops:
+        return f"does not provide {op}"
+    try:
+        backend.function(op)
+    except Exception as exc:  # a broken backend is reported and skipped, not fatal
+        return f"is broken: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -120,15 +156,30 @@ def usable_backends() -> tuple[list[Backend], list[Any]]:
         if why is None:
             usable.append(backend)
         else:
-            reason = f"backend {backend.name!r} ({backend.provided_by}) {why}"
-            skipped.append(_skip(reason, backend.name))
+            skipped.append(_skip(_about(backend, why), backend.name))
     return usable, skipped
 
 
-def shapes(matrix: str) -> list[tuple[int, ...]]:
-    """The shapes of ``matrix``, small to large."""
+def serving(backends: list[Backend], op: str) -> tuple[list[Backend], list[Any]]:
+    """Of ``backends`` (usable here), those measured on ``op``, and a skip per one left out."""
+    chosen, skipped = [], []
+    for backend in backends:
+        why = op_refusal(backend, op)
+        if why is None:
+            chosen.append(backend)
+        else:
+            skipped.append(_skip(_about(backend, why), f"{backend.name}-{op}"))
+    return chosen, skipped
+
+
+def _about(backend: Backend, why: str) -> str:
+    return f"backend {backend.name!r} ({backend.provided_by}) {why}"
+
+
+def shapes(matrix: str, op: str) -> list[tuple[int, ...]]:
+    """The shapes of ``op`` in ``matrix``, small to large."""
     if matrix == "quick":
-        return list(QUICK_SHAPES)
+        return sorted(QUICK_SHAPES[op], key=lambda s: (math.prod(s), s))
     grid = [(r, h) for r in ROWS for h in HIDDEN if r * h <= CAP_ELEMENTS]
     return sorted(grid + list(RANK3), key=lambda s: (math.prod(s), s))
 
@@ -162,9 +213,13 @@ def matrix_params(matrix: str) -> list[Any]:
     """Every case of ``matrix`` (grouped by input, references first) and every skip."""
     backends, params = usable_backends()
     if not _installed("torch"):
-        params.append(_skip("the torch reference needs torch", "torch-reference"))
+        params.append(_skip("the torch references need torch", "torch-reference"))
+    by_op: dict[str, list[Backend]] = {}
+    for op in OPS:
+        by_op[op], skipped = serving(backends, op)
+        params.extend(skipped)
     for backend in backends:
-        if "out" not in backend.capabilities:
+        if "out" not in backend.capabilities and any(backend in by_op[op] for op in FORWARDS):
             reason = f"backend {backend.name!r} does not claim out= (it would write a temporary)"
             params.append(_skip(reason, f"{backend.name}-out"))
     for dtype in DTYPES[matrix]:
@@ -172,15 +227,21 @@ def matrix_params(matrix: str) -> list[Any]:
         if missing:
             params.append(_skip(missing, dtype))
             continue
-        serving = []
+        refused = set()
         for backend in backends:
             why = dtype_refusal(backend, dtype)
-            if why is None:
-                serving.append(backend)
-            else:
+            if why is not None:
+                refused.add(backend.name)
                 params.append(_skip(f"backend {backend.name!r} {why}", f"{backend.name}-{dtype}"))
-        for shape in shapes(matrix):
-            params.extend(_cases(dtype, shape, serving))
+        every = sorted(
+            {s for op in OPS for s in shapes(matrix, op)}, key=lambda s: (math.prod(s), s)
+        )
+        for shape in every:
+            params.extend(_limit_cases(dtype, shape))
+            for op in OPS:
+                if shape in shapes(matrix, op):
+                    serving_op = [b for b in by_op[op] if b.name not in refused]
+                    params.extend(_cases(op, dtype, shape, serving_op))
     return params
 
 
@@ -200,16 +261,26 @@ def dtype_refusal(backend: Backend, dtype: str) -> str | None:
     return None
 
 
-def _cases(dtype: str, shape: tuple[int, ...], backends: list[Backend]) -> list[Any]:
-    """The cases of one input: the references, then each backend (given: it serves dtype)."""
-    refs = [r for r in REFERENCES if r != "torch" or _installed("torch")]
-    cases = [Case("reference", r, "out" if r == "copyto" else "alloc", shape, dtype) for r in refs]
+def _limit_cases(dtype: str, shape: tuple[int, ...]) -> list[Any]:
+    """The copy limits of one input, shared by all its ops."""
+    cases = [
+        Case(None, name, "out" if name == "copyto" else "alloc", shape, dtype, reference=True)
+        for name in LIMITS
+    ]
+    return [pytest.param(case, id=case.id) for case in cases]
+
+
+def _cases(op: str, dtype: str, shape: tuple[int, ...], backends: list[Backend]) -> list[Any]:
+    """The cases of ``op`` on one input: its references, then each backend (serving op, dtype)."""
+    refs = [r for r in REFERENCES[op] if r != "torch" or _installed("torch")]
+    cases = [Case(op, r, "alloc", shape, dtype, reference=True) for r in refs]
     for backend in backends:
-        modes = ("alloc", "out") if "out" in backend.capabilities else ("alloc",)
-        cases.extend(Case("layer_norm", backend.name, m, shape, dtype) for m in modes)
+        out = op in FORWARDS and "out" in backend.capabilities
+        modes = ("alloc", "out") if out else ("alloc",)
+        cases.extend(Case(op, backend.name, m, shape, dtype) for m in modes)
     params = []
     for case in cases:
-        if case.subject == "textbook" and not _textbook_fits(case):
+        if case.subject == "textbook" and case.reference and not _textbook_fits(case):
             reason = "the textbook formula's temporaries would not fit in a quarter of memory"
             params.append(pytest.param(case, id=case.id, marks=pytest.mark.skip(reason=reason)))
         else:
@@ -222,7 +293,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         metafunc.parametrize("case", matrix_params(matrix))
     elif "dispatch_case" in metafunc.fixturenames:
-        backends, skipped = usable_backends()
+        usable, skipped = usable_backends()
+        backends, more = serving(usable, "layer_norm")
+        skipped += more
         paths = [
             pytest.param((b.name, p), id=f"{b.name}-{p}")
             for b in backends
@@ -230,7 +303,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         ]
         metafunc.parametrize("dispatch_case", skipped + paths)
     elif "memory_case" in metafunc.fixturenames:
-        backends, skipped = usable_backends()
+        usable, skipped = usable_backends()
+        backends, more = serving(usable, "layer_norm")
+        skipped += more
         refs = [r for r in ("torch", "textbook", "copy") if r != "torch" or _installed("torch")]
         cases = []
         for dtype in MEMORY_DTYPES[matrix]:
@@ -250,19 +325,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 class Inputs:
-    """The NumPy inputs of the current (shape, dtype); a new pair frees the previous one."""
+    """The :class:`Workload` of the current (shape, dtype); a new one frees the previous one."""
 
     def __init__(self) -> None:
-        self.key: tuple[tuple[int, ...], str] | None = None
-        self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.workload: Workload | None = None
 
-    def get(self, shape: tuple[int, ...], dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self.key != (shape, dtype) or self.arrays is None:
-            self.arrays = None
-            x = make_input(shape, dtype)
-            self.arrays = (x, *make_params(shape[-1], dtype))
-            self.key = (shape, dtype)
-        return self.arrays
+    def get(self, shape: tuple[int, ...], dtype: str) -> Workload:
+        held = self.workload
+        if held is not None and (held.shape, held.dtype) == (shape, dtype):
+            return held
+        del held
+        self.workload = None  # the previous input is freed before the next one is made
+        workload = Workload(shape, dtype)
+        self.workload = workload
+        return workload
 
 
 @pytest.fixture(scope="session")
@@ -270,10 +346,10 @@ def inputs() -> Inputs:
     return Inputs()
 
 
-def _call_for(case: Case, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> Callable[[], Any]:
-    if case.kind == "reference":
-        return reference_call(case.subject, x, weight, bias)
-    return backend_call(registry.get(case.subject), x, weight, bias, out=case.mode == "out")
+def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
+    if case.reference or case.op is None:
+        return reference_call(case.op or "layer_norm", case.subject, data)
+    return backend_call(case.op, registry.get(case.subject), data, out=case.mode == "out")
 
 
 def _probe(call: Callable[[], Any]) -> float:
@@ -351,12 +427,13 @@ def test_matrix(
     benchmark: Any, case: Case, inputs: Inputs, matrix: MatrixState, request: pytest.FixtureRequest
 ) -> None:
     share = matrix.share(case.weight)
-    x, weight, bias = inputs.get(case.shape, case.dtype)
-    call = _call_for(case, x, weight, bias)
+    data = inputs.get(case.shape, case.dtype)
+    call = _call_for(case, data)
     rounds, iterations = _pace(_probe(call), share, MIN_ROUND_S, matrix)
-    nbytes = 2 * x.nbytes
+    nbytes = 2 * data.x.nbytes if case.op is None else moved_bytes(case.op, data)
     benchmark.extra_info.update(
         kind=case.kind,
+        op=case.op,
         subject=case.subject,
         mode=case.mode,
         shape=list(case.shape),

@@ -4,8 +4,8 @@ The matrix (``bench_matrix.py``) is sized by ``--normlab-matrix`` (quick or full
 ``--normlab-budget-minutes``: each timed case gets a share of the time left, in proportion to
 its input size, and cases still waiting when the budget is spent are skipped (never failed).
 The JSON that pytest-benchmark writes is trimmed (per-round data and unused options dropped,
-statistics kept) and extended with a ``normlab`` section: matrix settings, peak-memory records
-and skip reasons.
+statistics kept) and extended with a ``normlab`` section: matrix settings, the load average at
+the start and the end, peak-memory records and skip reasons.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["MatrixState"]
 #: Default budgets (minutes) and the least and most rounds of one timed case.
 SETTINGS: Final = {
     "quick": {"budget_minutes": 2.0, "min_rounds": 3, "max_rounds": 200},
-    "full": {"budget_minutes": 20.0, "min_rounds": 5, "max_rounds": 1000},
+    "full": {"budget_minutes": 45.0, "min_rounds": 5, "max_rounds": 1000},
 }
 MATRIX_FILE: Final = "bench_matrix.py"
 #: Part of a case's share of the time left that its timed rounds may use.
@@ -43,6 +43,7 @@ class MatrixState:
     min_rounds: int
     max_rounds: int
     started: float = field(default_factory=time.perf_counter)
+    load_at_start: tuple[float, float, float] = field(default_factory=os.getloadavg)
     active: bool = False
     weight_left: float = 0.0
     memory: list[dict[str, Any]] = field(default_factory=list)
@@ -93,7 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--normlab-budget-minutes",
         type=float,
         default=None,
-        help="time budget of the whole session (default: 2 quick, 20 full)",
+        help="time budget of the whole session (default: 2 quick, 45 full)",
     )
 
 
@@ -218,6 +219,7 @@ def pytest_benchmark_update_json(
         "elapsed_s": state.elapsed(),
         "min_rounds": state.min_rounds,
         "max_rounds": state.max_rounds,
+        "load_average": {"start": list(state.load_at_start), "end": list(os.getloadavg())},
         "memory": state.memory,
         "skipped": state.skipped,
     }

@@ -1,6 +1,7 @@
 """Peak memory of one call on a large input, measured in a fresh subprocess.
 
-A good LayerNorm needs the input, the output and a little scratch. The probe builds the input,
+A good LayerNorm needs the input, the output and a little scratch. The probe (LayerNorm forward,
+allocating) builds the input,
 warms the call up on a few rows (imports, JIT compilation), then measures one full call:
 
 - the resident-set high-water mark over the call, relative to the resident set just before it
@@ -25,8 +26,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any, Final
 
-import numpy as np
-from workloads import backend_call, make_input, make_params, reference_call
+from workloads import Workload, backend_call, reference_call
 
 import normlab
 from normlab import registry
@@ -89,18 +89,17 @@ def _reset_high_water_mark() -> bool:
 
 
 def _probe(subject: str, kind: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    x = make_input(shape, dtype)
-    input_bytes = x.nbytes
-    weight, bias = make_params(shape[-1], dtype)
-    warm = np.ascontiguousarray(x.reshape(-1, shape[-1])[:_WARM_ROWS])
+    data = Workload(shape, dtype)
+    input_bytes = data.x.nbytes
+    warm = Workload((_WARM_ROWS, shape[-1]), dtype)
     if kind == "backend":
         backend = registry.get(subject)
-        backend_call(backend, warm, weight, bias, out=False)()
-        call = backend_call(backend, x, weight, bias, out=False)
+        backend_call("layer_norm", backend, warm, out=False)()
+        call = backend_call("layer_norm", backend, data, out=False)
     else:
-        reference_call(subject, warm, weight, bias)()
-        call = reference_call(subject, x, weight, bias)
-    del x, warm  # the call holds what it reads: a backend's own copy, or x itself
+        reference_call("layer_norm", subject, warm)()
+        call = reference_call("layer_norm", subject, data)
+    del data, warm  # the call holds what it reads: a backend's own copy, or x itself
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(os.cpu_count() or 1)

@@ -5,10 +5,13 @@ section that ``conftest.py`` adds. Nothing here imports normlab or times anythin
 run can be reported on any machine.
 
 Every time is the best round (pytest-benchmark's ``min``): on a shared machine noise only adds
-time. Each call is compared with the reference points measured beside it on the same input:
-the copy matched to the call (``x.copy()`` for allocating calls, ``np.copyto`` for ``out=``),
-``torch.nn.functional.layer_norm`` and the textbook NumPy formula. GB/s counts the bytes of
-``x`` and ``y``.
+time. Each call is compared with the reference points of its op measured beside it on the same
+input: the copy matched to the call (``x.copy()`` for allocating calls, ``np.copyto`` for
+``out=``), torch (``F.layer_norm``, ``F.rms_norm``, or autograd's backward of them) and, for
+LayerNorm, the textbook NumPy formula. GB/s counts the bytes the op must move (forwards: ``x``
+and ``y``; backwards: ``x`` and ``dy`` read, ``dx`` written, plus statistics and parameter
+gradients); "% of copy" is that GB/s over the copy's. Runs saved before the matrix had several
+ops hold LayerNorm forward calls only, and read as such.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -40,6 +43,7 @@ __all__ = [
     "print_report",
     "report_tables",
     "rows",
+    "sections",
     "summary",
 ]
 
@@ -50,20 +54,70 @@ SMALL_BYTES: Final = 2**20
 DISPATCH_TARGET_US: Final = 1.5
 #: Least relative change of the fraction of the copy limit that compare() flags.
 REGRESSION_FLOOR: Final = 0.10
+#: The ops of the matrix, in the order of the report, with their titles.
+OP_TITLES: Final = {
+    "layer_norm": "LayerNorm forward",
+    "rms_norm": "RMSNorm forward",
+    "layer_norm_backward": "LayerNorm backward",
+    "rms_norm_backward": "RMSNorm backward",
+}
+#: The copy limits: measured once per input, shared by every op.
+LIMITS: Final = ("copy", "copyto")
 REFERENCE_LABELS: Final = {
-    "torch": "torch F.layer_norm",
     "textbook": "textbook NumPy",
     "copy": "x.copy()",
     "copyto": "np.copyto",
 }
+TORCH_LABELS: Final = {
+    "layer_norm": "torch F.layer_norm",
+    "rms_norm": "torch F.rms_norm",
+    "layer_norm_backward": "torch autograd backward",
+    "rms_norm_backward": "torch autograd backward",
+}
+#: What each op is measured against, for the notes under its tables.
+OP_NOTES: Final = {
+    "layer_norm": "`normlab.layer_norm(x, weight=w, bias=b)` against "
+    "`torch.nn.functional.layer_norm` and the textbook NumPy formula. GB/s counts the bytes of "
+    "`x` and `y`.",
+    "rms_norm": "`normlab.rms_norm(x, weight=w)` against `torch.nn.functional.rms_norm` (its "
+    "weight in x's dtype, as `torch.nn.RMSNorm(dtype=...)` holds it). GB/s counts the bytes of "
+    "`x` and `y`.",
+    "layer_norm_backward": "The backward alone, for both sides: "
+    "`normlab.layer_norm_backward(dy, x, mean, rstd, w)` from the statistics the forward "
+    "returned, against `torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)` on a `y = "
+    "F.layer_norm(x, ..., w, b)` computed beforehand (the forward is not timed). Both compute "
+    "dx, dweight and dbias. GB/s counts `x` and `dy` read and `dx` written, plus the "
+    "statistics (`mean`, `rstd`) and `weight` read and `dweight`, `dbias` written; % of copy "
+    "is that GB/s over the GB/s of `x.copy()`.",
+    "rms_norm_backward": "The backward alone, for both sides: "
+    "`normlab.rms_norm_backward(dy, x, rstd, w)` from the statistics the forward returned, "
+    "against `torch.autograd.grad(y, (x, w), dy, retain_graph=True)` on a `y = F.rms_norm(x, "
+    "..., w)` computed beforehand (the forward is not timed). Both compute dx and dweight. "
+    "GB/s counts `x` and `dy` read and `dx` written, plus `rstd` and `weight` read and "
+    "`dweight` written; % of copy is that GB/s over the GB/s of `x.copy()`.",
+}
 _COPY_FOR_MODE: Final = {"alloc": "copy", "out": "copyto"}
+_ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_LEGACY_OP: Final = "layer_norm"  # the op of runs saved before the matrix had several
+
+
+def reference_label(op: str | None, subject: str) -> str:
+    """How the reference point ``subject`` of ``op`` is called in tables."""
+    if subject == "torch":
+        return TORCH_LABELS.get(op or _LEGACY_OP, f"torch {op}")
+    return REFERENCE_LABELS.get(subject, subject)
 
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One timed call with its ratios to the references beside it (``None``: not measured)."""
+    """One timed call with its ratios to the references beside it (``None``: not measured).
+
+    ``kind`` is ``"reference"`` or the op of a backend call; ``op`` the op it belongs to (None
+    for the copy limits, which serve every op).
+    """
 
     kind: str
+    op: str | None
     subject: str
     mode: str
     shape: tuple[int, ...]
@@ -81,18 +135,24 @@ class Row:
     @property
     def label(self) -> str:
         if self.kind == "reference":
-            return REFERENCE_LABELS.get(self.subject, self.subject)
+            return reference_label(self.op, self.subject)
         return self.subject + (" out=" if self.mode == "out" else "")
 
     @property
-    def key(self) -> tuple[str, str, str, tuple[int, ...], str]:
-        return self.kind, self.subject, self.mode, self.shape, self.dtype
+    def input_bytes(self) -> int:
+        """The bytes of ``x``: what makes an input large or small."""
+        return math.prod(self.shape) * _ITEMSIZE.get(self.dtype, 4)
+
+    @property
+    def key(self) -> tuple[str | None, str, str, str, tuple[int, ...], str]:
+        return self.op, self.kind, self.subject, self.mode, self.shape, self.dtype
 
 
 @dataclass(frozen=True, slots=True)
 class Summary:
     """Geometric means of one call's ratios over the large (and small) inputs of one dtype."""
 
+    op: str
     label: str
     dtype: str
     gbps: float | None
@@ -117,12 +177,13 @@ class Dispatch:
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """One call (label and dtype) in two runs: how its fraction of the copy limit moved.
+    """One call (op, label and dtype) in two runs: how its fraction of the copy limit moved.
 
     ``change`` is the geometric mean over the shapes measured in both runs; ``threshold`` the
     run-to-run spread it must exceed to count (see :func:`compare`).
     """
 
+    op: str
     label: str
     dtype: str
     shapes: int
@@ -147,7 +208,7 @@ class Table:
 
     title: str
     headers: tuple[str, ...]
-    body: list[tuple[str, ...]]
+    body: Sequence[tuple[str, ...]]
     note: str = ""
     alerts: frozenset[int] = frozenset()  # rows to highlight (by index)
 
@@ -161,52 +222,75 @@ def load(path: str | Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())  # type: ignore[no-any-return]
 
 
-def _ratio(
-    refs: dict[tuple[tuple[int, ...], str, str], dict[str, Any]],
-    shape: tuple[int, ...],
-    dtype: str,
-    name: str,
-    seconds: float,
-    own: str | None,
+def _speedup(
+    refs: dict[tuple[Any, ...], tuple[float, int]], key: tuple[Any, ...], seconds: float
 ) -> float | None:
-    """How many times faster than reference ``name`` (``None``: not measured, or itself)."""
-    ref = refs.get((shape, dtype, name))
-    if ref is None or name == own:
+    """How many times faster than the reference at ``key`` (``None``: not measured)."""
+    ref = refs.get(key)
+    return None if ref is None else ref[0] / seconds
+
+
+def _of_copy(
+    refs: dict[tuple[Any, ...], tuple[float, int]], key: tuple[Any, ...], gbps: float
+) -> float | None:
+    """GB/s over the copy's GB/s (``None``: no copy measured)."""
+    ref = refs.get(key)
+    return None if ref is None else gbps / (ref[1] / ref[0] / 1e9)
+
+
+def _op(info: dict[str, Any]) -> str | None:
+    """The op a saved call belongs to (None for a copy limit)."""
+    if info["kind"] != "reference":
+        return str(info["kind"])
+    if info["subject"] in LIMITS:
         return None
-    return float(ref["min"]) / seconds
+    return str(info.get("op") or _LEGACY_OP)
 
 
 def rows(run: dict[str, Any]) -> list[Row]:
     """Every matrix call of ``run``, with its ratios, in the order measured."""
-    timed = [
-        b for b in run["benchmarks"] if b["extra_info"].get("kind") in ("layer_norm", "reference")
-    ]
-    refs: dict[tuple[tuple[int, ...], str, str], dict[str, Any]] = {}
+    timed = [b for b in run["benchmarks"] if "bytes" in b["extra_info"]]
+    refs: dict[tuple[Any, ...], tuple[float, int]] = {}
     for bench in timed:
         info = bench["extra_info"]
         if info["kind"] == "reference":
-            refs[(tuple(info["shape"]), info["dtype"], info["subject"])] = bench["stats"]
+            key = (_op(info), tuple(info["shape"]), info["dtype"], info["subject"])
+            refs[key] = (float(bench["stats"]["min"]), int(info["bytes"]))
     result = []
     for bench in timed:
         info, stats = bench["extra_info"], bench["stats"]
-        shape, dtype, seconds = tuple(info["shape"]), info["dtype"], stats["min"]
+        shape, dtype, seconds = tuple(info["shape"]), info["dtype"], float(stats["min"])
+        op, nbytes = _op(info), int(info["bytes"])
         own = info["subject"] if info["kind"] == "reference" else None
         copy_name = _COPY_FOR_MODE[info["mode"]]
+        gbps = nbytes / seconds / 1e9
+        copy = None if own in LIMITS else _of_copy(refs, (None, shape, dtype, copy_name), gbps)
+        torch, textbook = (
+            None if own == name else _speedup(refs, (op, shape, dtype, name), seconds)
+            for name in ("torch", "textbook")
+        )
         result.append(
             Row(
                 kind=info["kind"],
+                op=op,
                 subject=info["subject"],
                 mode=info["mode"],
                 shape=shape,
                 dtype=dtype,
-                nbytes=int(info["bytes"]),
+                nbytes=nbytes,
                 seconds=seconds,
-                of_copy=_ratio(refs, shape, dtype, copy_name, seconds, own),
-                vs_torch=_ratio(refs, shape, dtype, "torch", seconds, own),
-                vs_textbook=_ratio(refs, shape, dtype, "textbook", seconds, own),
+                of_copy=copy,
+                vs_torch=torch,
+                vs_textbook=textbook,
             )
         )
     return result
+
+
+def ops(all_rows: Sequence[Row]) -> list[str]:
+    """The ops measured in ``all_rows``, in report order (unknown ops last)."""
+    found = {r.op for r in all_rows if r.op is not None}
+    return [op for op in OP_TITLES if op in found] + sorted(found - set(OP_TITLES))
 
 
 def _geomean(values: Iterable[float | None]) -> float | None:
@@ -217,17 +301,18 @@ def _geomean(values: Iterable[float | None]) -> float | None:
 
 
 def summary(all_rows: Sequence[Row]) -> list[Summary]:
-    """Per call and dtype: geometric means over large inputs, and × torch over small ones."""
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    """Per op, call and dtype: geometric means over large inputs, and × torch over small ones."""
+    groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in all_rows:
-        if row.kind == "layer_norm" or row.subject in ("torch", "textbook"):
-            groups[(row.label, row.dtype)].append(row)
+        if row.op is not None and (row.kind != "reference" or row.subject in ("torch", "textbook")):
+            groups[(row.op, row.label, row.dtype)].append(row)
     result = []
-    for (label, dtype), group in groups.items():
-        large = [r for r in group if r.nbytes // 2 >= LARGE_BYTES]
-        small = [r for r in group if r.nbytes // 2 < SMALL_BYTES]
+    for (op, label, dtype), group in groups.items():
+        large = [r for r in group if r.input_bytes >= LARGE_BYTES]
+        small = [r for r in group if r.input_bytes < SMALL_BYTES]
         result.append(
             Summary(
+                op=op,
                 label=label,
                 dtype=dtype,
                 gbps=_geomean(r.gbps for r in large),
@@ -262,29 +347,31 @@ def compare(
     That fraction is taken side by side within each run, so it carries across machines and
     load better than a time. A call's change is the geometric mean over its shapes. It counts
     when it exceeds the run-to-run spread: two standard errors of that mean (how much the
-    shapes scatter), plus the drift of the references of the same dtype (the torch peer and the
-    textbook formula are the same code in both runs, so their drift is the machine's), and at
-    least ``floor``.
+    shapes scatter), plus the drift of the references of the same dtype (the torch peers and
+    the textbook formula are the same code in both runs, so their drift is the machine's), and
+    at least ``floor``. Calls are told apart by op, label and dtype.
     """
     old = {r.key: r for r in rows(before)}
-    pairs: dict[tuple[str, str], list[tuple[Row, Row]]] = defaultdict(list)
-    logs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    pairs: dict[tuple[str, str, str], list[tuple[Row, Row]]] = defaultdict(list)
+    logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for row in rows(after):
         prior = old.get(row.key)
-        if prior is not None and row.of_copy is not None and prior.of_copy is not None:
-            pairs[(row.label, row.dtype)].append((prior, row))
-            logs[(row.label, row.dtype)].append(math.log(row.of_copy / prior.of_copy))
+        if row.op is None or prior is None or row.of_copy is None or prior.of_copy is None:
+            continue
+        pairs[(row.op, row.label, row.dtype)].append((prior, row))
+        logs[(row.op, row.label, row.dtype)].append(math.log(row.of_copy / prior.of_copy))
     drift: dict[str, float] = defaultdict(float)
-    for (label, dtype), values in logs.items():
-        if pairs[(label, dtype)][0][1].kind == "reference":
+    for (op, label, dtype), values in logs.items():
+        if pairs[(op, label, dtype)][0][1].kind == "reference":
             drift[dtype] = max(drift[dtype], abs(statistics.fmean(values)))
     changes = []
-    for (label, dtype), group in pairs.items():
-        values = logs[(label, dtype)]
+    for (op, label, dtype), group in pairs.items():
+        values = logs[(op, label, dtype)]
         error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
         threshold = max(math.log1p(floor), 2 * error + drift[dtype])
         changes.append(
             Change(
+                op=op,
                 label=label,
                 dtype=dtype,
                 shapes=len(group),
@@ -335,45 +422,45 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def summary_table(all_rows: Sequence[Row]) -> Table:
-    body = [
-        (
-            s.label,
-            s.dtype,
-            _gbps(s.gbps),
-            _pct(s.of_copy),
-            _times(s.vs_torch),
-            _times(s.vs_textbook),
-            _times(s.small_vs_torch),
-        )
-        for s in summary(all_rows)
-    ]
+def _has_textbook(all_rows: Sequence[Row], op: str) -> bool:
+    return any(r.op == op and r.kind == "reference" and r.subject == "textbook" for r in all_rows)
+
+
+def summary_table(all_rows: Sequence[Row], op: str) -> Table:
+    """Key ratios of ``op``: per call and dtype, geometric means over large and small inputs."""
+    textbook = _has_textbook(all_rows, op)
+    body = []
+    for s in summary(all_rows):
+        if s.op != op:
+            continue
+        line = [s.label, s.dtype, _gbps(s.gbps), _pct(s.of_copy), _times(s.vs_torch)]
+        line += [_times(s.vs_textbook)] if textbook else []
+        body.append((*line, _times(s.small_vs_torch)))
+    headers: tuple[str, ...] = ("call", "dtype", "GB/s", "% of copy", "× torch")
+    headers += ("× textbook",) if textbook else ()
+    speedups = "× torch and × textbook are speed-ups" if textbook else "× torch is a speed-up"
     return Table(
-        "Key ratios (geometric means)",
-        ("call", "dtype", "GB/s", "% of copy", "× torch", "× textbook", "× torch (small)"),
+        f"{OP_TITLES.get(op, op)}: key ratios (geometric means)",
+        (*headers, "× torch (small)"),
         body,
-        f"Large inputs: x ≥ {LARGE_BYTES // 2**20} MiB; small: x < {SMALL_BYTES // 2**20} MiB. "
-        "× torch and × textbook are speed-ups (above 1: faster than the reference).",
+        f"{OP_NOTES.get(op, '')} Large inputs: x ≥ {LARGE_BYTES // 2**20} MiB; small: x < "
+        f"{SMALL_BYTES // 2**20} MiB. {speedups} (above 1: faster than the reference).".strip(),
     )
 
 
-def detail_table(all_rows: Sequence[Row], dtype: str) -> Table:
-    body = [
-        (
-            _shape(r.shape),
-            r.label,
-            _time(r.seconds),
-            _gbps(r.gbps),
-            _pct(r.of_copy),
-            _times(r.vs_torch),
-            _times(r.vs_textbook),
-        )
-        for r in all_rows
-        if r.dtype == dtype and r.kind == "layer_norm"
-    ]
+def detail_table(all_rows: Sequence[Row], op: str, dtype: str) -> Table:
+    """Every backend call of ``op`` on ``dtype`` inputs, shape by shape."""
+    textbook = _has_textbook(all_rows, op)
+    body = []
+    for r in all_rows:
+        if r.op == op and r.dtype == dtype and r.kind != "reference":
+            line = [_shape(r.shape), r.label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
+            line += [_times(r.vs_torch)] + ([_times(r.vs_textbook)] if textbook else [])
+            body.append(tuple(line))
+    headers = ("shape", "call", "time", "GB/s", "% of copy", "× torch")
     return Table(
-        f"{dtype}: every backend call",
-        ("shape", "call", "time", "GB/s", "% of copy", "× torch", "× textbook"),
+        f"{OP_TITLES.get(op, op)}, {dtype}: every backend call",
+        headers + (("× textbook",) if textbook else ()),
         body,
     )
 
@@ -410,7 +497,7 @@ def dispatch_table(run: dict[str, Any]) -> Table:
 def memory_table(run: dict[str, Any]) -> Table:
     body = []
     for m in run.get("normlab", {}).get("memory", []):
-        label = m["subject"] if m["kind"] == "backend" else REFERENCE_LABELS[m["subject"]]
+        label = m["subject"] if m["kind"] == "backend" else reference_label(None, m["subject"])
         body.append(
             (
                 label,
@@ -455,8 +542,10 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     """Every table of the report, in order."""
     all_rows = rows(run)
     dtypes = list(dict.fromkeys(r.dtype for r in all_rows))
-    tables = [summary_table(all_rows), dispatch_table(run), memory_table(run)]
-    tables += [detail_table(all_rows, d) for d in dtypes]
+    measured = ops(all_rows)
+    tables = [summary_table(all_rows, op) for op in measured]
+    tables += [dispatch_table(run), memory_table(run)]
+    tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
     return [t for t in tables if t.body]
 
@@ -466,6 +555,7 @@ def compare_table(changes: Sequence[Change]) -> Table:
         (
             c.label,
             c.dtype,
+            OP_TITLES.get(c.op, c.op),
             str(c.shapes),
             _gbps(c.gbps[0]),
             _gbps(c.gbps[1]),
@@ -482,6 +572,7 @@ def compare_table(changes: Sequence[Change]) -> Table:
         (
             "call",
             "dtype",
+            "op",
             "shapes",
             "GB/s A",
             "GB/s B",
@@ -543,8 +634,8 @@ def print_compare(
     slower = sum(c.verdict == "slower" for c in changes)
     faster = sum(c.verdict == "faster" for c in changes)
     console.print(
-        f"{len(changes)} calls (backend or reference, per dtype) in both runs: {slower} slower, "
-        f"{faster} faster beyond the spread"
+        f"{len(changes)} calls (backend or reference, per op and dtype) in both runs: "
+        f"{slower} slower, {faster} faster beyond the spread"
     )
     return changes
 
@@ -584,64 +675,126 @@ def machine(run: dict[str, Any]) -> list[tuple[str, str]]:
             f"{settings.get('matrix', '?')} matrix on {run.get('datetime', '?')[:16]}, "
             f"{minutes} min budget",
         ),
+        ("load average", _load_average(settings.get("load_average"))),
     ]
 
 
-def docs_page(run: dict[str, Any], source: str, images: Sequence[str]) -> str:
-    """``docs/performance.md`` for ``run`` (saved as ``source``; ``images`` relative to docs/)."""
+def _load_average(load: dict[str, list[float]] | None) -> str:
+    if not load:
+        return "not recorded"
+    start, end = (" / ".join(f"{v:.2f}" for v in load[k]) for k in ("start", "end"))
+    return f"{start} at the start, {end} at the end (1, 5, 15 min)"
+
+
+def sections(runs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Which run each op's numbers come from: the first of ``runs`` that measured it."""
+    chosen: dict[str, int] = {}
+    for i, run in enumerate(runs):
+        for op in ops(rows(run)):
+            chosen.setdefault(op, i)
+    return {op: chosen[op] for op in sorted(chosen, key=list(OP_TITLES).index)}
+
+
+def docs_page(
+    runs: Sequence[tuple[str, dict[str, Any]]], images: Mapping[str, Sequence[str]]
+) -> str:
+    """``docs/performance.md`` from ``runs`` (each ``(source, run)``, the file it was saved as).
+
+    Each op's section comes from the first run that measured it (:func:`sections`); dispatch
+    overhead and peak memory from the first run that has them. ``images``: per op, the plots'
+    paths relative to docs/.
+    """
+    sources = [source for source, _ in runs]
+    chosen = sections([run for _, run in runs])
+    used = sorted(set(chosen.values()))
     parts = [
         "# Performance",
         "",
-        f"<!-- Generated by `python benchmarks/run.py --report {source} --write-docs`: "
-        "do not edit by hand. -->",
+        f"<!-- Generated by `python benchmarks/run.py --report {' '.join(sources)} "
+        "--write-docs`: do not edit by hand. -->",
         "",
-        "LayerNorm forward is memory-bound: it reads `x` once and writes `y` once. The limit is "
-        "a copy of the same bytes on the same machine, measured in the same run, so every "
-        "number below is a ratio taken side by side: against that copy (`x.copy()` for "
-        "allocating calls, `np.copyto` for `out=`), against `torch.nn.functional.layer_norm` "
-        "(the peer, on all cores) and against the textbook NumPy formula "
-        "`(x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * w + b` "
-        "(single-threaded, like the copy). GB/s counts the bytes of `x` and `y`. Each time is "
-        "the best of its rounds: on a shared machine, noise only adds time. The copy is one "
-        "NumPy thread, so a parallel kernel can pass 100%.",
+        "LayerNorm and RMSNorm are memory-bound, forward and backward: the forward reads `x` "
+        "once and writes `y` once; the backward reads `x` and `dy` and writes `dx` (plus small "
+        "per-row statistics and per-column parameter gradients). The limit is a copy of the same "
+        "bytes on the same machine, measured in the same run, so every number below is a ratio "
+        "taken side by side: against that copy (`x.copy()` for allocating calls, `np.copyto` for "
+        "`out=`; % of copy is the call's GB/s over the copy's), against torch on the same input "
+        "(the peer, on all cores) and, for the LayerNorm forward, against the textbook NumPy "
+        "formula `(x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps) * w "
+        "+ b` (single-threaded, like the copy). Each time is the best of its rounds: on a shared "
+        "machine, noise only adds time. The copy is one NumPy thread, so a parallel kernel can "
+        "pass 100%.",
         "",
-        "## Machine",
+        "## Runs",
         "",
-        "| | |",
+        "| section | from |",
         "|---|---|",
-        *[f"| {k} | {v} |" for k, v in machine(run)],
+        *[f"| {OP_TITLES.get(op, op)} | `{sources[i]}` |" for op, i in chosen.items()],
         "",
     ]
-    all_rows = rows(run)
-    parts.append(to_markdown(summary_table(all_rows), 2))
-    if images:
-        parts += ["## GB/s against hidden size", ""]
-        parts += [f"![{Path(i).stem}]({i})" for i in images]
+    quick = [sources[i] for i in used if runs[i][1].get("normlab", {}).get("matrix") == "quick"]
+    if quick:
+        parts += [
+            f"{', '.join(f'`{q}`' for q in quick)}: a quick run (CI's `bench-quick`: a few "
+            "shapes, float32 and float16, short rounds). Its ratios are indicative, the more so "
+            "where its load average (below) exceeds the core count: a full run on an idle "
+            "machine should replace them.",
+            "",
+        ]
+    for i in used:
+        source, run = runs[i]
+        parts += [f"### `{source}`", "", "| | |", "|---|---|"]
+        parts += [f"| {k} | {v} |" for k, v in machine(run)]
         parts.append("")
-    parts += [to_markdown(dispatch_table(run), 2), to_markdown(memory_table(run), 2)]
+    for op, i in chosen.items():
+        all_rows = rows(runs[i][1])
+        table = summary_table(all_rows, op)
+        parts += [f"## {OP_TITLES.get(op, op)}", "", f"From `{sources[i]}`.", ""]
+        parts.append(to_markdown(table, 0))
+        if images.get(op):
+            parts += [f"![{Path(image).stem}]({image})" for image in images[op]]
+            parts.append("")
+    extras = [
+        (dispatch_table, "Dispatch overhead on a tiny array (µs per call)"),
+        (memory_table, "Peak memory of one allocating call"),
+    ]
+    for make, _ in extras:
+        found = next(((source, t) for source, run in runs if (t := make(run)).body), None)
+        if found is not None:
+            source, table = found
+            parts += [f"## {table.title}", "", f"LayerNorm forward, from `{source}`.", ""]
+            parts.append(to_markdown(table, 0))
     parts += ["## Every backend call", ""]
-    for dtype in dict.fromkeys(r.dtype for r in all_rows):
-        table = to_markdown(detail_table(all_rows, dtype), 0)
-        parts += [f'??? note "{dtype}"', ""]
-        parts += [f"    {line}" if line else "" for line in table.splitlines()]
-        parts.append("")
-    parts.append(to_markdown(skipped_table(run), 2))
+    for op, i in chosen.items():
+        all_rows = rows(runs[i][1])
+        for dtype in dict.fromkeys(r.dtype for r in all_rows if r.op == op):
+            markdown = to_markdown(detail_table(all_rows, op, dtype), 0)
+            parts += [f'??? note "{OP_TITLES.get(op, op)}, {dtype}"', ""]
+            parts += [f"    {line}" if line else "" for line in markdown.splitlines()]
+            parts.append("")
+    parts += ["## Not measured", ""]
+    for i in used:
+        source, run = runs[i]
+        parts += [f"In `{source}`:", "", to_markdown(skipped_table(run), 0)]
     parts += [
         "## Reproduce",
         "",
         "```sh",
-        "nox -s bench                 # the full matrix (about 20 minutes), then this page",
+        "nox -s bench                 # the full matrix (about 45 minutes), then this page",
         "nox -s bench-quick           # a small subset, in CI",
-        "python benchmarks/run.py --full --budget-minutes 30",
-        f"python benchmarks/run.py --report {source} --write-docs   # this page again",
+        "python benchmarks/run.py --full --budget-minutes 60",
+        f"python benchmarks/run.py --report {' '.join(sources)} --write-docs   # this page again",
         "python benchmarks/run.py --compare A.json B.json            # two runs side by side",
         "```",
         "",
-        "`--compare` judges each call per dtype on its fraction of the copy limit, averaged "
-        "over the shapes of both runs, and flags a change beyond the run-to-run spread: two "
-        "standard errors of that mean plus the drift of the unchanged references.",
+        "`--report` with several runs takes each op's section from the first run that measured "
+        "it. `--compare` judges each call per op and dtype on its fraction of the copy limit, "
+        "averaged over the shapes of both runs, and flags a change beyond the run-to-run "
+        "spread: two standard errors of that mean plus the drift of the unchanged references.",
         "",
-        f"The numbers come from `{source}`; plots and this page are generated from it.",
+        "The numbers come from "
+        + ", ".join(f"`{sources[i]}`" for i in used)
+        + "; plots and this page are generated from them.",
         "",
     ]
     return "\n".join(parts)

@@ -3,11 +3,13 @@
     python benchmarks/run.py --quick                  # a few shapes, float32 + float16 (CI)
     python benchmarks/run.py --full                   # the whole matrix, then the docs page
     python benchmarks/run.py --report FILE.json       # the report again from a saved run
+    python benchmarks/run.py --report A.json B.json --write-docs  # the page from two runs
     python benchmarks/run.py --compare A.json B.json  # two saved runs side by side
 
 A run is saved as ``benchmarks/results/<machine>-<date>[-quick].json`` (pytest-benchmark JSON),
 its plots beside it. A full run, or any run given ``--write-docs``, also regenerates
-``docs/performance.md`` and its images under ``docs/images/``. Arguments this script does not
+``docs/performance.md`` and its images under ``docs/images/``; given several runs, each op's
+section of the page comes from the first run that measured it. Arguments this script does not
 know go to pytest (``-k float32``, ``-x``). The exit status is pytest's: non-zero when a
 benchmark errors, never because of a time.
 """
@@ -64,30 +66,41 @@ def run_matrix(matrix: str, path: Path, budget: float | None, extra: list[str]) 
     return status
 
 
-def publish(path: Path, console: Console, docs: bool) -> None:
-    """Print the report of the run saved at ``path``, draw its plots, and maybe the docs page."""
+def publish(paths: list[Path], console: Console, docs: bool) -> None:
+    """Print the report of each run saved at ``paths`` and draw its plots; maybe the docs page.
+
+    The page takes each op's section, and its plots, from the first run that measured the op.
+    """
     import plots
 
-    run = report.load(path)
-    report.print_report(run, console)
-    drawn = plots.render(report.rows(run), path.parent, path.stem)
-    for png in drawn:
-        console.print(f"plot: {png}")
+    runs = [report.load(path) for path in paths]
+    drawn = []
+    for path, run in zip(paths, runs, strict=True):
+        report.print_report(run, console)
+        drawn.append(plots.render(report.rows(run), path.parent, path.stem, report.OP_TITLES))
+        for png in (png for pngs in drawn[-1].values() for png in pngs):
+            console.print(f"plot: {png}")
     if not docs:
         return
     DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
     for old in DOCS_IMAGES.glob(f"{DOCS_STEM}-*.png"):
         old.unlink()
-    images = []
-    for png in drawn:
-        target = DOCS_IMAGES / png.name.replace(path.stem, DOCS_STEM, 1)
-        shutil.copyfile(png, target)
-        images.append(target.relative_to(DOCS).as_posix())
-    source = path.resolve()
-    shown = source.relative_to(ROOT).as_posix() if source.is_relative_to(ROOT) else str(path)
+    images: dict[str, list[str]] = {}
+    for op, i in report.sections(runs).items():
+        for png in drawn[i].get(op, []):
+            target = DOCS_IMAGES / png.name.replace(paths[i].stem, DOCS_STEM, 1)
+            shutil.copyfile(png, target)
+            images.setdefault(op, []).append(target.relative_to(DOCS).as_posix())
+    sources = []
+    for path in paths:
+        source = path.resolve()
+        sources.append(
+            source.relative_to(ROOT).as_posix() if source.is_relative_to(ROOT) else str(path)
+        )
     page = DOCS / "performance.md"
-    page.write_text(report.docs_page(run, shown, images))
-    console.print(f"docs: {page} ({len(images)} images)")
+    page.write_text(report.docs_page(list(zip(sources, runs, strict=True)), images))
+    count = sum(len(v) for v in images.values())
+    console.print(f"docs: {page} ({count} images)")
 
 
 def _is_full(run: dict[str, Any]) -> bool:
@@ -102,8 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--quick", action="store_true", help="a small subset (about 2 minutes)")
-    what.add_argument("--full", action="store_true", help="the whole matrix (about 20 minutes)")
-    what.add_argument("--report", metavar="FILE.json", help="report a saved run")
+    what.add_argument("--full", action="store_true", help="the whole matrix (about 45 minutes)")
+    what.add_argument(
+        "--report",
+        nargs="+",
+        metavar="FILE.json",
+        help="report saved runs (the docs page takes each op from the first that measured it)",
+    )
     what.add_argument(
         "--compare",
         nargs=2,
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-minutes",
         type=float,
         default=None,
-        help="time budget of the run (default: 2 quick, 20 full)",
+        help="time budget of the run (default: 2 quick, 45 full)",
     )
     parser.add_argument(
         "--machine",
@@ -139,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         report.print_compare(before, after, console, args.threshold)
         return 0
     if args.report:
-        path = Path(args.report)
-        publish(path, console, docs=args.write_docs or _is_full(report.load(path)))
+        paths = [Path(p) for p in args.report]
+        publish(paths, console, docs=args.write_docs or _is_full(report.load(paths[0])))
         return 0
     matrix = "quick" if args.quick else "full"
     stamp = time.strftime("%Y-%m-%d-%H%M")
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]no results saved at {path}[/red]")
         return status or 1
     console.print(f"results: {path}")
-    publish(path, console, docs=args.full or args.write_docs)
+    publish([path], console, docs=args.full or args.write_docs)
     return status
 
 

@@ -1,19 +1,28 @@
-"""The inputs every benchmark reads and the calls it times: normlab backends and reference points.
+"""The inputs every benchmark reads and the calls it times: normlab ops and reference points.
 
 Shared by the matrix (``bench_matrix.py``) and the peak-memory probe (``memory.py``), so both
-measure the very same calls. The reference points, on the same inputs:
+measure the very same calls. Four ops are timed (:data:`OPS`): the forwards ``layer_norm`` and
+``rms_norm``, and the backwards ``layer_norm_backward`` and ``rms_norm_backward`` (the backward
+alone, from the statistics the forward returned). The reference points, on the same inputs:
 
-- ``torch``: ``torch.nn.functional.layer_norm`` (the peer), on a zero-copy view of ``x``;
-- ``textbook``: ``(x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
-  * w + b`` in NumPy;
-- ``copy`` and ``copyto``: a copy round trip of the same bytes (the limit), into a new array
-  (``x.copy()``, matched to allocating calls) and into an existing one (``np.copyto``, matched
-  to ``out=`` calls).
+- ``torch``: the peer on a zero-copy view of the inputs, on all cores:
+  ``torch.nn.functional.layer_norm`` / ``rms_norm`` for the forwards; for the backwards, torch
+  autograd's backward of the same call alone: ``torch.autograd.grad(y, (x, weight[, bias]), dy,
+  retain_graph=True)`` on a ``y`` computed once beforehand (the forward is not timed);
+- ``textbook`` (layer_norm only): ``(x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1,
+  keepdims=True) + eps) * w + b`` in NumPy;
+- ``copy`` and ``copyto`` (:data:`LIMITS`, shared by every op of an input): a copy round trip of
+  ``x`` (the limit), into a new array (``x.copy()``, matched to allocating calls) and into an
+  existing one (``np.copyto``, matched to ``out=`` calls).
+
+The backwards get ``dy`` and the statistics (``return_stats=True`` of the forward) from the
+:class:`Workload`; all ops read the same ``x``, ``weight`` and ``bias``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any, Final
 
 import numpy as np
@@ -23,17 +32,29 @@ from normlab.registry import Backend
 
 __all__ = [
     "EPS",
+    "LIMITS",
+    "OPS",
     "REFERENCES",
+    "Workload",
     "backend_call",
     "completing",
     "make_input",
     "make_params",
+    "moved_bytes",
     "numpy_dtype",
     "reference_call",
 ]
 
 EPS: Final = 1e-5
-REFERENCES: Final = ("torch", "textbook", "copy", "copyto")
+OPS: Final = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+#: The reference points of each op, besides the copy limits that every op shares.
+REFERENCES: Final = {
+    "layer_norm": ("torch", "textbook"),
+    "rms_norm": ("torch",),
+    "layer_norm_backward": ("torch",),
+    "rms_norm_backward": ("torch",),
+}
+LIMITS: Final = ("copy", "copyto")
 #: Elements generated per random chunk: keeps the generator's temporaries small.
 _CHUNK_ELEMENTS: Final = 1 << 20
 
@@ -74,56 +95,144 @@ def make_params(cols: int, dtype: str, seed: int = 1) -> tuple[np.ndarray, np.nd
     return weight, bias
 
 
-def backend_call(
-    backend: Backend, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: bool
-) -> Call:
-    """``normlab.layer_norm`` through ``backend``, on its own copies of the inputs."""
-    xb, wb, bb = (backend.from_numpy(a) for a in (x, weight, bias))
-    name = backend.name
-    if out:
-        yb = backend.from_numpy(np.empty_like(x))
-        return completing(
-            lambda: normlab.layer_norm(xb, weight=wb, bias=bb, backend=name, out=yb), xb
+class Workload:
+    """The NumPy operands of one (shape, dtype): ``x``, ``weight`` and ``bias`` at once;
+    ``dy`` and the forward's statistics when a backward first asks for them."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.x = make_input(shape, dtype)
+        self.weight, self.bias = make_params(shape[-1], dtype)
+
+    @cached_property
+    def dy(self) -> np.ndarray:
+        """The upstream gradient: standard normal, like ``x``."""
+        return make_input(self.shape, self.dtype, seed=2)
+
+    @cached_property
+    def layer_norm_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean, rstd)`` of ``layer_norm(x, weight, bias)``, keepdims-shaped."""
+        _, mean, rstd = normlab.layer_norm(
+            self.x, None, self.weight, self.bias, EPS, return_stats=True
         )
-    return completing(lambda: normlab.layer_norm(xb, weight=wb, bias=bb, backend=name), xb)
+        return np.asarray(mean), np.asarray(rstd)
+
+    @cached_property
+    def rms_norm_stats(self) -> np.ndarray:
+        """``rstd`` of ``rms_norm(x, weight)``, keepdims-shaped."""
+        _, rstd = normlab.rms_norm(self.x, None, self.weight, EPS, return_stats=True)
+        return np.asarray(rstd)
+
+
+def moved_bytes(op: str, data: Workload) -> int:
+    """The bytes a call of ``op`` must move at least: the numerator of its GB/s.
+
+    Forwards: ``x`` read and ``y`` written. Backwards: ``x`` and ``dy`` read and ``dx``
+    written, plus the small per-row and per-column traffic: the statistics read (``mean`` and
+    ``rstd``, or ``rstd``), ``weight`` read and its gradients written (``dweight``, and
+    ``dbias`` for layer_norm). Scratch inside a kernel (partial sums) is not counted.
+    """
+    rows = data.x.size // data.shape[-1]
+    if op in ("layer_norm", "rms_norm"):
+        return 2 * data.x.nbytes
+    stats = 2 if op == "layer_norm_backward" else 1
+    stats_itemsize = 8 if data.dtype == "float64" else 4
+    grads = 2 if op == "layer_norm_backward" else 1
+    return 3 * data.x.nbytes + stats * rows * stats_itemsize + (1 + grads) * data.weight.nbytes
+
+
+def backend_call(op: str, backend: Backend, data: Workload, out: bool) -> Call:
+    """``normlab.<op>`` through ``backend`` (named, so strict), on its own copies of the inputs.
+
+    ``out``: the forward writes into an existing array (the backwards have no ``out=``).
+    """
+    name = backend.name
+    xb, wb, bb = (backend.from_numpy(a) for a in (data.x, data.weight, data.bias))
+    if op == "layer_norm_backward":
+        dyb = backend.from_numpy(data.dy)
+        mean, rstd = (backend.from_numpy(a) for a in data.layer_norm_stats)
+        return completing(
+            lambda: normlab.layer_norm_backward(dyb, xb, mean, rstd, wb, backend=name), xb
+        )
+    if op == "rms_norm_backward":
+        dyb = backend.from_numpy(data.dy)
+        rstd = backend.from_numpy(data.rms_norm_stats)
+        return completing(lambda: normlab.rms_norm_backward(dyb, xb, rstd, wb, backend=name), xb)
+    yb = backend.from_numpy(np.empty_like(data.x)) if out else None
+    if op == "rms_norm":
+        return completing(lambda: normlab.rms_norm(xb, None, wb, EPS, backend=name, out=yb), xb)
+    if op == "layer_norm":
+        return completing(
+            lambda: normlab.layer_norm(xb, None, wb, bb, EPS, backend=name, out=yb), xb
+        )
+    raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
 
 
 def completing(call: Call, sample: Any) -> Call:
     """``call``, made to wait for its result when arrays like ``sample`` are asynchronous.
 
     JAX returns before the work is done (``block_until_ready`` waits) and Dask returns a lazy
-    graph (``compute`` runs it); either way the timer must see the work itself. A backend
-    function called directly returns ``(y, mean, rstd)``: its ``y`` is waited for.
+    graph (``compute`` runs it); either way the timer must see the work itself. A call that
+    returns a tuple (a backward's gradients, a backend function's ``(y, mean, rstd)``) is
+    waited for on its first entry.
     """
     method = next((m for m in ("block_until_ready", "compute") if hasattr(sample, m)), None)
     if method is None:
         return call
-    return lambda: getattr(_y(call()), method)()
+    return lambda: getattr(_first(call()), method)()
 
 
-def _y(result: Any) -> Any:
+def _first(result: Any) -> Any:
     return result[0] if isinstance(result, tuple) else result
 
 
-def reference_call(name: str, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> Call:
-    """The reference point ``name`` (one of :data:`REFERENCES`) on these inputs."""
-    if name == "torch":
-        import torch
-
-        xt, wt, bt = (_torch_view(a) for a in (x, weight, bias))
-        shape = (x.shape[-1],)
-        return lambda: torch.nn.functional.layer_norm(xt, shape, wt, bt, EPS)
-    if name == "textbook":
-        return lambda: (
-            (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * weight
-            + bias
-        )
+def reference_call(op: str, name: str, data: Workload) -> Call:
+    """The reference point ``name`` of ``op`` (see :data:`REFERENCES`, :data:`LIMITS`)."""
+    x, weight, bias = data.x, data.weight, data.bias
     if name == "copy":
         return x.copy
     if name == "copyto":
         y = np.empty_like(x)
         return lambda: np.copyto(y, x)
-    raise ValueError(f"unknown reference {name!r}; known: {', '.join(REFERENCES)}")
+    if name not in REFERENCES.get(op, ()):
+        known = ", ".join((*REFERENCES.get(op, ()), *LIMITS))
+        raise ValueError(f"unknown reference {name!r} of {op!r}; known: {known}")
+    if name == "textbook":
+        return lambda: (
+            (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + EPS) * weight
+            + bias
+        )
+    return _torch_call(op, data)
+
+
+def _torch_call(op: str, data: Workload) -> Call:
+    """torch's forward, or torch autograd's backward alone, on views of ``data``.
+
+    torch's rms_norm gets its weight in x's dtype: with a float32 weight on half input it
+    warns and takes a slower path, and ``torch.nn.RMSNorm(dtype=...)`` holds it so anyway.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    shape = (data.shape[-1],)
+    x = _torch_view(data.x)
+    weight = _torch_view(data.weight)
+    if op.startswith("rms_norm"):
+        weight = weight.to(x.dtype)
+    bias = _torch_view(data.bias)
+    if op == "layer_norm":
+        return lambda: F.layer_norm(x, shape, weight, bias, EPS)
+    if op == "rms_norm":
+        return lambda: F.rms_norm(x, shape, weight, EPS)
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    if op == "layer_norm_backward":
+        y = F.layer_norm(leaves[0], shape, leaves[1], leaves[2], EPS)
+    else:
+        leaves = leaves[:2]
+        y = F.rms_norm(leaves[0], shape, leaves[1], EPS)
+    dy = _torch_view(data.dy)
+    return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
 
 
 def _torch_view(a: np.ndarray) -> Any:

@@ -1,9 +1,13 @@
-"""The benchmark report and compare code on a synthetic saved run (nothing is timed here)."""
+"""The benchmark report and compare code on a synthetic saved run (nothing is timed here), and a
+tiny real run of the matrix that checks every op's rows appear and the report renders."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -11,18 +15,27 @@ from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 SHAPES = ([1024, 1024], [1024, 4096], [64, 768], [8, 512, 768])
-#: Seconds of each call on every shape (bytes do not matter to the ratios).
+OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+#: Seconds of each call on every shape (bytes do not matter to the time ratios), keyed by
+#: (kind, op, subject, mode); the copy limits belong to no op.
 BASE = {
-    ("reference", "copy", "alloc"): 2e-3,
-    ("reference", "copyto", "out"): 1e-3,
-    ("reference", "torch", "alloc"): 3e-3,
-    ("reference", "textbook", "alloc"): 12e-3,
-    ("layer_norm", "numpy", "alloc"): 4e-3,
-    ("layer_norm", "numpy", "out"): 2e-3,
+    ("reference", None, "copy", "alloc"): 2e-3,
+    ("reference", None, "copyto", "out"): 1e-3,
+    ("reference", "layer_norm", "torch", "alloc"): 3e-3,
+    ("reference", "layer_norm", "textbook", "alloc"): 12e-3,
+    ("layer_norm", "layer_norm", "numpy", "alloc"): 4e-3,
+    ("layer_norm", "layer_norm", "numpy", "out"): 2e-3,
+    ("reference", "rms_norm", "torch", "alloc"): 8e-3,
+    ("rms_norm", "rms_norm", "numpy", "alloc"): 2e-3,
+    ("reference", "layer_norm_backward", "torch", "alloc"): 6e-3,
+    ("layer_norm_backward", "layer_norm_backward", "numpy", "alloc"): 3e-3,
 }
 NBYTES = 2 * 4096 * 1024 * 4
+#: A backward moves half as much again as a forward (x and dy read, dx written).
+NBYTES_BACKWARD = 3 * 4096 * 1024 * 4
 
 
 def _load(name: str) -> ModuleType:
@@ -40,28 +53,42 @@ def _load(name: str) -> ModuleType:
 report = _load("report")
 
 
-def _bench(kind: str, subject: str, mode: str, seconds: float, shape: list[int]) -> dict[str, Any]:
-    info = {"kind": kind, "subject": subject, "mode": mode, "shape": shape, "dtype": "float32"}
+def _bench(
+    kind: str, op: str | None, subject: str, mode: str, seconds: float, shape: list[int]
+) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "kind": kind,
+        "op": op,
+        "subject": subject,
+        "mode": mode,
+        "shape": shape,
+        "dtype": "float32",
+    }
     if kind != "dispatch":
-        info["bytes"] = NBYTES
+        info["bytes"] = NBYTES_BACKWARD if op and op.endswith("_backward") else NBYTES
     stats = {"min": seconds, "median": seconds, "iqr": 0.0, "rounds": 5}
     return {"name": f"test[{subject}-{mode}]", "extra_info": info, "stats": stats}
 
 
-def _run(slower: dict[tuple[str, str, str], tuple[float, ...]] | None = None) -> dict[str, Any]:
-    """A saved run: references and two numpy calls per shape, a dispatch pair, memory, a skip.
+def _run(
+    slower: dict[tuple[str, str | None, str, str], tuple[float, ...]] | None = None,
+    ops: tuple[str, ...] = OPS,
+    matrix: str = "full",
+) -> dict[str, Any]:
+    """A saved run: references and numpy calls per shape, a dispatch pair, memory, a skip.
 
-    ``slower`` multiplies a call's times, shape by shape.
+    ``slower`` multiplies a call's times, shape by shape; ``ops`` keeps only those ops' calls.
     """
     factors = slower or {}
     benchmarks = [
         _bench(*key, seconds * factors.get(key, (1.0,) * len(SHAPES))[i], shape)
         for i, shape in enumerate(SHAPES)
         for key, seconds in BASE.items()
+        if key[1] is None or key[1] in ops
     ]
     benchmarks += [
-        _bench("dispatch", "numpy", "normlab", 11e-6, [8, 64]),
-        _bench("dispatch", "numpy", "direct", 10e-6, [8, 64]),
+        _bench("dispatch", None, "numpy", "normlab", 11e-6, [8, 64]),
+        _bench("dispatch", None, "numpy", "direct", 10e-6, [8, 64]),
     ]
     return {
         "machine_info": {
@@ -78,9 +105,10 @@ def _run(slower: dict[tuple[str, str, str], tuple[float, ...]] | None = None) ->
         "datetime": "2026-01-02T03:04:05",
         "benchmarks": benchmarks,
         "normlab": {
-            "matrix": "full",
+            "matrix": matrix,
             "budget_s": 1200.0,
             "elapsed_s": 600.0,
+            "load_average": {"start": [0.5, 0.4, 0.3], "end": [1.5, 0.9, 0.5]},
             "memory": [
                 {
                     "subject": "numpy",
@@ -98,71 +126,172 @@ def _run(slower: dict[tuple[str, str, str], tuple[float, ...]] | None = None) ->
     }
 
 
+def _legacy(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` as saved before the matrix had several ops: no "op" in any call."""
+    for bench in run["benchmarks"]:
+        bench["extra_info"].pop("op")
+    return run
+
+
 def test_ratios_are_taken_against_the_matched_references() -> None:
-    rows = {(r.subject, r.mode, r.kind): r for r in report.rows(_run()) if r.shape == (1024, 1024)}
-    alloc = rows[("numpy", "alloc", "layer_norm")]
+    rows = {
+        (r.op, r.subject, r.mode, r.kind): r for r in report.rows(_run()) if r.shape == (1024, 1024)
+    }
+    alloc = rows[("layer_norm", "numpy", "alloc", "layer_norm")]
     assert alloc.gbps == pytest.approx(NBYTES / 4e-3 / 1e9)
     assert alloc.of_copy == pytest.approx(0.5)  # x.copy() took 2 ms
     assert alloc.vs_torch == pytest.approx(0.75)
     assert alloc.vs_textbook == pytest.approx(3.0)
-    out = rows[("numpy", "out", "layer_norm")]
+    out = rows[("layer_norm", "numpy", "out", "layer_norm")]
     assert out.of_copy == pytest.approx(0.5)  # np.copyto took 1 ms
-    torch_row = rows[("torch", "alloc", "reference")]
+    torch_row = rows[("layer_norm", "torch", "alloc", "reference")]
     assert torch_row.vs_torch is None and torch_row.of_copy == pytest.approx(2 / 3)
-    assert rows[("copy", "alloc", "reference")].of_copy is None
+    assert rows[(None, "copy", "alloc", "reference")].of_copy is None
+
+
+def test_each_op_is_compared_with_its_own_references() -> None:
+    rows = {(r.op, r.subject, r.kind): r for r in report.rows(_run()) if r.shape == (1024, 1024)}
+    rms = rows[("rms_norm", "numpy", "rms_norm")]
+    assert rms.vs_torch == pytest.approx(4.0)  # torch F.rms_norm took 8 ms, not F.layer_norm's 3
+    assert rms.of_copy == pytest.approx(1.0) and rms.vs_textbook is None
+    assert rows[("rms_norm", "torch", "reference")].label == "torch F.rms_norm"
+    backward = rows[("layer_norm_backward", "numpy", "layer_norm_backward")]
+    assert backward.vs_torch == pytest.approx(2.0)
+    # GB/s over the copy's GB/s: 1.5x the bytes in 1.5x the copy's time is the copy's rate.
+    assert backward.of_copy == pytest.approx(1.0)
+    assert backward.gbps == pytest.approx(NBYTES_BACKWARD / 3e-3 / 1e9)
+
+
+def test_a_run_saved_before_the_ops_reads_as_layer_norm() -> None:
+    legacy = report.rows(_legacy(_run(ops=("layer_norm",))))
+    assert {r.op for r in legacy} == {"layer_norm", None}
+    alloc = next(r for r in legacy if r.kind == "layer_norm" and r.mode == "alloc")
+    assert alloc.vs_torch == pytest.approx(0.75) and alloc.of_copy == pytest.approx(0.5)
 
 
 def test_summary_dispatch_and_tables() -> None:
     run = _run()
-    summary = {s.label: s for s in report.summary(report.rows(run))}
-    assert summary["numpy"].of_copy == pytest.approx(0.5)
-    assert summary["numpy out="].vs_torch == pytest.approx(1.5)
+    summary = {(s.op, s.label): s for s in report.summary(report.rows(run))}
+    assert summary[("layer_norm", "numpy")].of_copy == pytest.approx(0.5)
+    assert summary[("layer_norm", "numpy out=")].vs_torch == pytest.approx(1.5)
+    assert summary[("rms_norm", "numpy")].vs_torch == pytest.approx(4.0)
+    assert summary[("layer_norm_backward", "numpy")].vs_torch == pytest.approx(2.0)
     (pair,) = report.dispatch(run)
     assert pair.overhead_us == pytest.approx(1.0)
     titles = [t.title for t in report.report_tables(run)]
-    assert titles[0].startswith("Key ratios") and "Not measured" in titles
+    assert titles[:3] == [
+        "LayerNorm forward: key ratios (geometric means)",
+        "RMSNorm forward: key ratios (geometric means)",
+        "LayerNorm backward: key ratios (geometric means)",
+    ]
+    assert "Not measured" in titles and "RMSNorm forward, float32: every backend call" in titles
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=160)
+    console = Console(file=io.StringIO(), width=200)
     report.print_report(run, console)
     text = console.file.getvalue()
     assert "Synthetic CPU" in text and "numpy out=" in text and "numba is broken" in text
+    assert "torch autograd backward" in text and "1.50 / 0.90 / 0.50 at the end" in text
 
 
 def test_compare_flags_changes_beyond_the_spread() -> None:
-    alloc, out = ("layer_norm", "numpy", "alloc"), ("layer_norm", "numpy", "out")
+    alloc = ("layer_norm", "layer_norm", "numpy", "alloc")
+    out = ("layer_norm", "layer_norm", "numpy", "out")
     changes = report.compare(_run(), _run({alloc: (2.0, 2.0, 2.0, 2.0)}))
-    verdicts = {c.label: c.verdict for c in changes}
+    verdicts = {(c.op, c.label): c.verdict for c in changes}
     assert verdicts == {
-        "numpy": "slower",
-        "numpy out=": "",
-        "torch F.layer_norm": "reference",
-        "textbook NumPy": "reference",
+        ("layer_norm", "numpy"): "slower",
+        ("layer_norm", "numpy out="): "",
+        ("layer_norm", "torch F.layer_norm"): "reference",
+        ("layer_norm", "textbook NumPy"): "reference",
+        ("rms_norm", "numpy"): "",
+        ("rms_norm", "torch F.rms_norm"): "reference",
+        ("layer_norm_backward", "numpy"): "",
+        ("layer_norm_backward", "torch autograd backward"): "reference",
     }
-    numpy = next(c for c in changes if c.label == "numpy")
+    numpy = next(c for c in changes if (c.op, c.label) == ("layer_norm", "numpy"))
     assert numpy.change == pytest.approx(-0.5) and numpy.shapes == len(SHAPES)
     scattered = report.compare(_run(), _run({alloc: (1.6, 0.6, 1.6, 0.7), out: (1.05,) * 4}))
     assert all(c.verdict == "" for c in scattered if not c.reference)  # noise; within the floor
-    machine = {key: (1.3,) * 4 for key in BASE if key[0] != "reference" or key[1] == "torch"}
-    drifted = report.compare(_run(), _run(machine))  # the unchanged peer drifted as much
+    machine = {key: (1.3,) * 4 for key in BASE if key[0] != "reference" or key[2] == "torch"}
+    drifted = report.compare(_run(), _run(machine))  # the unchanged peers drifted as much
     assert all(c.verdict in ("", "reference") for c in drifted)
+    backward = ("layer_norm_backward", "layer_norm_backward", "numpy", "alloc")
+    slower = report.compare(_run(), _run({backward: (2.0,) * 4}))
+    assert [c.op for c in slower if c.verdict == "slower"] == ["layer_norm_backward"]
     from rich.console import Console
 
     text = io.StringIO()
-    report.print_compare(_run(), _run({alloc: (2.0,) * 4}), Console(file=text, width=160))
+    report.print_compare(_run(), _run({alloc: (2.0,) * 4}), Console(file=text, width=200))
     assert "1 slower" in text.getvalue()
 
 
-def test_docs_page_is_generated_from_the_run() -> None:
-    page = report.docs_page(_run(), "benchmarks/results/x.json", ["images/performance-f.png"])
+def test_docs_page_takes_each_op_from_the_first_run_that_measured_it() -> None:
+    full = _legacy(_run(ops=("layer_norm",)))
+    quick = _run(matrix="quick")
+    images = {"layer_norm": ["images/performance-layer_norm-float32.png"]}
+    page = report.docs_page([("results/full.json", full), ("results/quick.json", quick)], images)
     assert page.startswith("# Performance")
-    assert "do not edit by hand" in page and "benchmarks/results/x.json" in page
-    assert "Synthetic CPU" in page and "![performance-f](images/performance-f.png)" in page
-    assert "| numpy | float32 |" in page
+    assert "--report results/full.json results/quick.json --write-docs" in page
+    assert "do not edit by hand" in page and "Synthetic CPU" in page
+    assert "| LayerNorm forward | `results/full.json` |" in page
+    for title in ("RMSNorm forward", "LayerNorm backward"):
+        assert f"| {title} | `results/quick.json` |" in page and f"\n## {title}\n" in page
+    assert "| RMSNorm backward |" not in page  # measured by neither run
+    assert "![performance-layer_norm-float32](images/performance-layer_norm-float32.png)" in page
+    assert "| numpy | float32 |" in page and "torch autograd backward" in page
+    assert "retain_graph=True" in page  # the backward tables say what they time
+    assert "load average | not recorded" not in page and "| load average |" in page
 
 
 def test_plots_are_drawn(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     plots = _load("plots")
-    (path,) = plots.render(report.rows(_run()), tmp_path, "synthetic")
-    assert path.name == "synthetic-float32.png" and path.stat().st_size > 0
+    wide = _run()
+    for bench in wide["benchmarks"]:  # a second hidden size for the 1024-row panel
+        if bench["extra_info"]["shape"] == [1024, 4096]:
+            bench["extra_info"]["shape"] = [1024, 2048]
+    drawn = plots.render(report.rows(wide), tmp_path, "synthetic", report.OP_TITLES)
+    assert set(drawn) == {"layer_norm", "rms_norm", "layer_norm_backward"}
+    (path,) = drawn["rms_norm"]
+    assert path.name == "synthetic-rms_norm-float32.png" and path.stat().st_size > 0
+
+
+def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
+    """The real matrix, one small input, numpy and the references: each op's rows are there."""
+    pytest.importorskip("pytest_benchmark")
+    saved = tmp_path / "tiny.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "benchmarks/bench_matrix.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--normlab-matrix=quick",
+            "--normlab-budget-minutes=0.25",
+            f"--benchmark-json={saved}",
+            "-k",
+            "test_matrix and float32-1x1000- and (ref or numpy)",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    run = json.loads(saved.read_text())
+    rows = [r for r in report.rows(run) if r.subject == "numpy" and r.mode == "alloc"]
+    assert {r.op for r in rows} == set(OPS)
+    assert all(r.of_copy is not None and r.gbps > 0 for r in rows)
+    if importlib.util.find_spec("torch") is not None:
+        assert all(r.vs_torch is not None for r in rows)
+    assert run["normlab"]["load_average"]["start"]
+    page = report.docs_page([("tiny.json", run)], {})
+    for title in report.OP_TITLES.values():
+        assert f"\n## {title}\n" in page
