@@ -1,12 +1,15 @@
 """Deliberately wrong backends, to prove the conformance suite has teeth.
 
-Two NumPy kernels, :func:`layer_norm` (the shifted two-pass formula) and :func:`rms_norm`, are
-correct unless given a *flaw*; each flaw is one classic bug of one of them. :func:`plugin` makes
-a real normlab plugin for one flaw: a module whose ``normlab_backends`` hook returns a record
-named ``mutant_<flaw>`` that points at the module itself, which also holds the kernels and the
-NumPy converters. A LayerNorm mutant provides layer_norm only; an RMSNorm mutant provides both
-ops, its layer_norm correct, so that only the suite's rms_norm tests can fail it.
-:func:`registered` registers a plugin for the duration of a ``with`` block.
+NumPy kernels — :func:`layer_norm` (the shifted two-pass formula), :func:`rms_norm` and the
+backward of both (:func:`layer_norm_backward`, :func:`rms_norm_backward`) — are correct unless
+given a *flaw*; each flaw is one classic bug of one of them. :func:`plugin` makes a real normlab
+plugin for one flaw: a module whose ``normlab_backends`` hook returns a record named
+``mutant_<flaw>`` that points at the module itself, which also holds the kernels and the NumPy
+converters. A LayerNorm mutant provides layer_norm only; an RMSNorm mutant provides both forward
+ops, its layer_norm correct, so that only the suite's rms_norm tests can fail it; a backward
+mutant (and the control) provides all four ops, its forward ops correct, so that only the
+suite's backward tests can fail it. :func:`registered` registers a plugin for the duration of a
+``with`` block.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ FLAWS: Final = {
     "rms_mean_subtracted": "RMSNorm that subtracts the mean (LayerNorm without bias)",
     "rms_variance": "RMSNorm that divides x by sqrt(var + eps), the variance, not the mean square",
     "rms_eps_outside_root": "RMSNorm that divides by sqrt(mean(x^2)) + eps",
+    "bwd_no_mean_g": "LayerNorm backward whose dx lacks the -mean(g) term",
+    "bwd_rstd_squared": "backward that normalizes x with rstd**2 instead of rstd",
+    "bwd_dbias_from_dx": "LayerNorm backward that sums dx over rows for dbias, not dy",
+    "bwd_recomputed_stats": "backward that ignores the given mean and rstd and recomputes them "
+    "as E[x^2] - E[x]^2 in float32 with eps 1e-5",
+    "bwd_unordered_sums": "backward that sums dweight/dbias over rows in a random order",
+    "bwd_thread_chunks": "backward that sums dweight/dbias in one chunk of rows per numba thread",
+    "bwd_overwrites_dy": "backward that stores g = dy * weight in the caller's dy",
+    "bwd_ignores_needs": "backward that returns every gradient, whatever needs says",
+    "bwd_rms_mean_g": "RMSNorm backward whose dx subtracts mean(g) as LayerNorm's does",
 }
 
 #: The flaws proper (every one but the control).
@@ -43,6 +56,13 @@ MUTANTS: Final = tuple(flaw for flaw in FLAWS if flaw != "control")
 
 #: The flaws of the RMSNorm kernel; the control has both ops too.
 RMS_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("rms_"))
+
+#: The flaws of the backward kernels (``bwd_rms_*``: of RMSNorm's only).
+BACKWARD_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("bwd_"))
+
+#: The ops each kind of mutant provides.
+_FORWARD_OPS: Final = frozenset({"layer_norm", "rms_norm"})
+_ALL_OPS: Final = _FORWARD_OPS | {"layer_norm_backward", "rms_norm_backward"}
 
 
 def layer_norm(
@@ -123,6 +143,98 @@ def rms_norm(
     return y, None, rstd[:, 0].astype(plan.stats_dtype)
 
 
+def layer_norm_backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    plan: Plan,
+    needs: frozenset[str],
+    flaw: str = "control",
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """LayerNorm's gradients of the 2-D rows (normlab's backward contract), with ``flaw``."""
+    return _backward(dy, x, mean, rstd, weight, plan, needs, flaw)
+
+
+def rms_norm_backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    *,
+    plan: Plan,
+    needs: frozenset[str],
+    flaw: str = "control",
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """RMSNorm's gradients of the 2-D rows, with ``flaw``."""
+    dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"}, flaw)
+    return dx, dweight
+
+
+def _backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
+    flaw: str,
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both backward ops (``mean`` None: RMSNorm): ``x̂ = (d - mean(d)) * rstd`` with
+    ``d = x - mean`` (the residual removes the rounding of the given mean; RMSNorm: ``d = x``),
+    ``g = dy * weight``, ``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))`` (RMSNorm: no
+    ``mean(g)``), ``dweight = Σ dy * x̂``, ``dbias = Σ dy``; row sums in the compute dtype."""
+    compute = np.dtype(plan.compute_dtype)
+    r = rstd.astype(compute)[:, None]
+    if flaw == "bwd_recomputed_stats":
+        x32 = x.astype(np.float32)
+        m32 = x32.mean(axis=1, keepdims=True) if mean is not None else np.float32(0)
+        var = (x32 * x32).mean(axis=1, keepdims=True) - m32 * m32
+        r = (1 / np.sqrt(var + np.float32(1e-5))).astype(compute)
+        mean = None if mean is None else np.asarray(m32[:, 0])
+    d = x.astype(compute)
+    if mean is not None:
+        d = d - mean.astype(compute)[:, None]
+        d = d - d.mean(axis=1, keepdims=True, dtype=compute)
+    xhat = d * (r * r if flaw == "bwd_rstd_squared" else r)
+    dyc = dy.astype(compute)
+    g = dyc if weight is None else dyc * weight.astype(compute)
+    if flaw == "bwd_overwrites_dy" and dy.flags.writeable:
+        dy[...] = g
+    centred_g = g
+    if flaw == "bwd_rms_mean_g" if mean is None else flaw != "bwd_no_mean_g":
+        centred_g = g - g.mean(axis=1, keepdims=True)
+    dx = r * (centred_g - xhat * (g * xhat).mean(axis=1, keepdims=True))
+    if flaw == "bwd_ignores_needs":
+        needs = frozenset({"x", "weight", "bias"} if mean is not None else {"x", "weight"})
+    return (
+        dx.astype(x.dtype) if "x" in needs else None,
+        _row_sum(dyc * xhat, compute, flaw) if "weight" in needs else None,
+        _row_sum(dx if flaw == "bwd_dbias_from_dx" else dyc, compute, flaw)
+        if "bias" in needs
+        else None,
+    )
+
+
+def _row_sum(terms: np.ndarray, compute: np.dtype[Any], flaw: str) -> np.ndarray:
+    """The column sums of ``terms`` in ``compute``, row after row (the order ``flaw`` says)."""
+    if flaw == "bwd_unordered_sums":
+        terms = terms[np.random.default_rng().permutation(terms.shape[0])]
+    if flaw == "bwd_thread_chunks":
+        import numba
+
+        chunks = np.array_split(terms, numba.get_num_threads())
+        total = np.zeros(terms.shape[1], compute)
+        for chunk in chunks:
+            total += chunk.sum(axis=0, dtype=compute)
+        return total
+    summed: np.ndarray = terms.sum(axis=0, dtype=compute)
+    return summed
+
+
 def _as_if_c_contiguous(x: np.ndarray) -> np.ndarray:
     """x's memory read from its first element as C-contiguous rows, where that stays inside x's
     extent (transposed, sliced views); else x's elements in memory order (reversed, broadcast)."""
@@ -148,16 +260,21 @@ def plugin(flaw: str) -> types.ModuleType:
     module (``<this module>.<flaw>``, importable while :func:`registered`)."""
     module_name = f"{__name__}.{flaw}"
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
-    ops = {"layer_norm", "rms_norm"} if flaw in RMS_FLAWS | {"control"} else {"layer_norm"}
+    if flaw in BACKWARD_FLAWS | {"control"}:
+        ops = _ALL_OPS
+    else:
+        ops = _FORWARD_OPS if flaw in RMS_FLAWS else frozenset({"layer_norm"})
     record = normlab.BackendRecord(
         name=f"mutant_{flaw}",
         module=module_name,
         families=frozenset({"numpy"}),
         devices=frozenset({"cpu"}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        ops=frozenset(ops),
+        ops=ops,
         priority=-100,  # never chosen unless named
         capabilities=frozenset({"strided", "out", "inplace"}),
+        # the library whose thread count the suite varies (bwd_thread_chunks follows it)
+        library="numba" if flaw == "bwd_thread_chunks" else None,
         description=f"a mutant for the suite's teeth: {FLAWS[flaw]}",
     )
 
@@ -168,6 +285,12 @@ def plugin(flaw: str) -> types.ModuleType:
     module.normlab_backends = normlab_backends  # type: ignore[attr-defined]
     module.layer_norm = functools.partial(layer_norm, flaw=flaw)  # type: ignore[attr-defined]
     module.rms_norm = functools.partial(rms_norm, flaw=flaw)  # type: ignore[attr-defined]
+    module.layer_norm_backward = functools.partial(  # type: ignore[attr-defined]
+        layer_norm_backward, flaw=flaw
+    )
+    module.rms_norm_backward = functools.partial(  # type: ignore[attr-defined]
+        rms_norm_backward, flaw=flaw
+    )
     module.to_numpy = to_numpy  # type: ignore[attr-defined]
     module.from_numpy = from_numpy  # type: ignore[attr-defined]
     return module

@@ -1,6 +1,6 @@
-"""The conformance suite has teeth: every deliberately wrong backend of :mod:`mutants` fails
-it, and the same kernel without a flaw passes it — so failures come from the suite's checks,
-not from the harness."""
+"""The conformance suite has teeth: every deliberately wrong backend of :mod:`mutants` (forward
+and backward) fails it, and the same kernels without a flaw pass it — so failures come from the
+suite's checks, not from the harness."""
 
 from __future__ import annotations
 
@@ -25,6 +25,23 @@ CATCHERS: Final[dict[str, frozenset[str]]] = {
     ),
     "rms_variance": frozenset({"test_rms_norm_worked_example", "test_matches_reference"}),
     "rms_eps_outside_root": frozenset({"test_eps_inside_the_root", "test_half_zeros_tiny_eps"}),
+    "bwd_no_mean_g": frozenset(
+        {"test_backward_finite_differences", "test_backward_matches_reference"}
+    ),
+    "bwd_rstd_squared": frozenset({"test_backward_finite_differences", "test_backward_affine"}),
+    "bwd_dbias_from_dx": frozenset(
+        {"test_backward_finite_differences", "test_backward_matches_reference"}
+    ),
+    "bwd_recomputed_stats": frozenset(
+        {"test_backward_large_offset", "test_backward_uses_given_rstd"}
+    ),
+    "bwd_unordered_sums": frozenset({"test_backward_repeatable"}),
+    "bwd_thread_chunks": frozenset({"test_backward_thread_counts"}),
+    "bwd_overwrites_dy": frozenset({"test_backward_affine", "test_backward_finite_differences"}),
+    "bwd_ignores_needs": frozenset({"test_backward_needs"}),
+    "bwd_rms_mean_g": frozenset(
+        {"test_backward_finite_differences", "test_backward_matches_reference"}
+    ),
 }
 
 
@@ -63,7 +80,9 @@ def test_control_passes() -> None:
 @pytest.mark.parametrize("flaw", mutants.MUTANTS)
 def test_mutant_fails(flaw: str) -> None:
     """Each flawed kernel fails the suite, by failed checks (AssertionError), in the tests
-    written for its flaw."""
+    written for its flaw, and only in the area of the op it breaks."""
+    if flaw == "bwd_thread_chunks":
+        pytest.importorskip("numba", reason="this mutant follows numba's thread count")
     code, failures = _run_suite(flaw)
     assert code == pytest.ExitCode.TESTS_FAILED, f"the suite passed a kernel that {flaw}"
     crashes = {test: kind for test, kind in failures.by_test.items() if kind != "AssertionError"}
@@ -73,3 +92,9 @@ def test_mutant_fails(flaw: str) -> None:
     if flaw in mutants.RMS_FLAWS:  # its layer_norm is correct: only rms_norm tests may fail
         stray = [test for test in failures.by_test if "rms_norm" not in test]
         assert not stray, f"tests of layer_norm failed an rms_norm flaw: {stray}"
+    if flaw in mutants.BACKWARD_FLAWS:  # its forward ops are correct
+        stray = [test for test in failures.by_test if "test_backward.py::" not in test]
+        assert not stray, f"tests of the forward ops failed a backward flaw: {stray}"
+    if flaw.startswith("bwd_rms_"):  # its layer_norm_backward is correct
+        stray = [test for test in failures.by_test if "rms_norm" not in test]
+        assert not stray, f"tests of layer_norm_backward failed an rms_norm flaw: {stray}"

@@ -10,9 +10,14 @@ float64 reference (:mod:`normlab.reference`) within the tolerances of :mod:`.tol
 Test modules, one per area: ``test_numerics`` (random calls and the named numerical cases),
 ``test_rows`` (NaN/Inf confinement, batch independence), ``test_layouts`` (strides, ``out=``,
 in place, x untouched, empty inputs), ``test_results`` (result kinds, statistics, repeated
-calls), ``test_errors`` (every bad input raises its NormlabError subclass). Cases live in
-:mod:`.cases`, hypothesis strategies and profiles in :mod:`.strategies`, tolerances in
-:mod:`.tolerances`, and what a backend claims in :mod:`.subject`.
+calls), ``test_errors`` (every bad input raises its NormlabError subclass), ``test_backward``
+(``normlab.layer_norm_backward`` / ``rms_norm_backward`` where the record lists
+``"layer_norm_backward"`` / ``"rms_norm_backward"``, skipped with the reason otherwise: finite
+differences, the float64 oracle and torch.autograd, large offsets, bitwise repeatability
+across runs and thread counts, ``needs``, bad inputs). Cases live in :mod:`.cases` (backward
+ones in :mod:`.backward_cases`), hypothesis strategies and profiles in :mod:`.strategies`,
+tolerances in :mod:`.tolerances`, the backward's float64 oracles in
+:mod:`.backward_reference`, and what a backend claims in :mod:`.subject`.
 """
 
 from __future__ import annotations

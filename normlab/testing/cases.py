@@ -6,9 +6,9 @@ of ``x``, the normalized axes, the affine parameters, ``eps`` and the memory lay
 ``from_numpy``; :meth:`Case.expected` is the float64 reference; :meth:`Case.check` runs the
 backend and compares, and its failure message is a runnable snippet (:meth:`Case.snippet`).
 
-The named cases of the design (section 6) are values kinds here (``"offset"``, ``"constant"``,
-``"zeros"``, ``"near_max"``, ``"worked"``, ``"nan_inf"``) plus the row lengths in
-:data:`AWKWARD_COLS`.
+The named cases of the design (section 6) are values kinds here (``"offset"``,
+``"far_offset"``, ``"constant"``, ``"zeros"``, ``"near_max"``, ``"worked"``, ``"nan_inf"``) plus
+the row lengths in :data:`AWKWARD_COLS`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ VALUES: Final = (
     "constant",  # each row one value (its own): LayerNorm gives exactly bias when eps > 0
     "zeros",  # all zero
     "near_max",  # magnitudes 55000..65000 with both signs: float16 sums of squares overflow
+    "far_offset",  # 1e4 + normal: the same in float32; its squares overflow float16
     "worked",  # every row [1, 3, 5, 7, ...] (the seed's worked example)
     "nan_inf",  # normal, with a NaN in row 1, +inf in row 2, -inf in row 3
 )
@@ -94,6 +95,8 @@ def _values(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
         return rng.standard_normal(shape)
     if kind == "offset":
         return 100.0 + 0.01 * rng.standard_normal(shape)
+    if kind == "far_offset":
+        return 1e4 + rng.standard_normal(shape)
     if kind == "rowwise":
         centre = rng.uniform(-10.0, 10.0, (rows, 1))
         return centre + 10.0 ** rng.uniform(-2.0, 2.0, (rows, 1)) * rng.standard_normal(shape)

@@ -14,7 +14,9 @@ from typing import Final
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+from normlab.backward import GRADIENTS
 from normlab.spec import HALF_DTYPES
+from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
 from normlab.testing.cases import LAYOUTS, Case
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "RANDOM_VALUES",
     "affine",
     "axes_choices",
+    "backward_cases",
     "cases",
     "dims",
     "eps_values",
@@ -162,6 +165,22 @@ def cases(
     if case.eps == 0.0 and case.has_degenerate_row():
         case = case.replace(eps=1e-5)
     return case
+
+
+@st.composite
+def backward_cases(
+    draw: st.DrawFn,
+    dtypes: Sequence[str],
+    layouts: Sequence[str] = LAYOUTS,
+    op: str = "layer_norm",
+) -> BackwardCase:
+    """A complete random backward call of ``op``'s gradients: a random forward call
+    (:func:`cases`) and ``needs``, mostly the default, else any subset of the gradients."""
+    forward = draw(cases(dtypes, layouts, op))
+    names = GRADIENTS[BACKWARD_OPS[op]]
+    subset = st.lists(st.sampled_from(names), unique=True, max_size=len(names)).map(tuple)
+    needs = draw(st.one_of(st.none(), st.none(), subset))
+    return BackwardCase(forward, needs)
 
 
 def profile(name: str) -> settings:

@@ -29,6 +29,19 @@ RMSNorm (``y = x * rstd * weight``, ``rstd = 1/sqrt(mean(x^2) + eps)``) uses the
 - ``y = x * rstd * weight`` adds two products' roundings, relative to ``|y|``, then the one
   rounding to x's dtype. No term is absolute: an element's error vanishes with the element
   (LayerNorm's ``1 +`` comes from the error of the mean, shared by a whole row; RMSNorm has none).
+
+The backward uses the same table (:func:`gradient_scales`). With ``x̂`` the normalized value and
+``g = dy * weight``, ``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))`` (RMSNorm: no ``mean(g)``)
+is allowed ``compute * (conditioning + sqrt(cols))`` times::
+
+    rstd * (|g| + mean(|g|) + (1 + |x̂|) * mean(|g| * (1 + |x̂|)))     RMSNorm: |x̂| for 1 + |x̂|
+
+— the row means are bounded by the means of absolute values, since their sums may cancel — plus
+one rounding to x's dtype. ``dweight = Σ dy * x̂`` and ``dbias = Σ dy`` sum over rows terms whose
+``x̂`` carries its row's error: their scales are ``Σ |dy| * (1 + |x̂|)`` (RMSNorm ``Σ |dy| * |x̂|``)
+and ``Σ |dy|``, the conditioning that of the worst row, and the growth
+``sqrt(cols) + sqrt(rows)`` (the sum over rows adds its own); then one rounding to the dtype of
+the gradient (weight's, or x's without weight).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ __all__ = [
     "allowed_error",
     "assert_close",
     "conditioning",
+    "gradient_scales",
     "y_scale",
 ]
 
@@ -69,6 +83,7 @@ TOLERANCES: Final[dict[str, Tolerance]] = {
 
 #: Statistics are float32 (float64 for float64 x): they are never rounded to a half type.
 _STATS_DTYPE: Final = {"float16": "float32", "bfloat16": "float32"}
+_STATISTICS: Final = frozenset({"mean", "rstd"})
 
 
 def conditioning(mean: Any, rstd: Any) -> np.ndarray:
@@ -96,20 +111,49 @@ def y_scale(op: str, z: Any, weight: Any = None, bias: Any = None) -> np.ndarray
     return scale
 
 
+def gradient_scales(
+    op: str, dy: np.ndarray, xhat: np.ndarray, g: np.ndarray, rstd: np.ndarray
+) -> dict[str, np.ndarray]:
+    """What the arithmetic errors of the gradients are proportional to (see the module
+    docstring): ``{"x": (rows, cols), "weight": (cols,), "bias": (cols,)}`` from the float64
+    rows ``dy``, ``xhat``, ``g`` (``(rows, cols)``) and ``rstd`` (``(rows, 1)``); ``op`` is
+    ``"layer_norm"`` or ``"rms_norm"``."""
+    spread = np.abs(xhat) if op == "rms_norm" else 1.0 + np.abs(xhat)
+    size = np.abs(g)
+    row_mean = 0.0 if op == "rms_norm" else size.mean(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        dx = rstd * (size + row_mean + spread * (size * spread).mean(axis=1, keepdims=True))
+        return {
+            "x": dx,
+            "weight": (np.abs(dy) * spread).sum(axis=0),
+            "bias": np.abs(dy).sum(axis=0),
+        }
+
+
 def allowed_error(
-    expected: Any, dtype: str, conditioning: Any, *, what: str, cols: int, scale: Any = None
+    expected: Any,
+    dtype: str,
+    conditioning: Any,
+    *,
+    what: str,
+    cols: int,
+    scale: Any = None,
+    rows: int = 0,
 ) -> np.ndarray:
     """The largest error allowed per element (see the module docstring).
 
-    ``what`` is ``"y"``, ``"mean"`` or ``"rstd"``. ``scale`` is what the arithmetic error of an
-    element is proportional to: :func:`y_scale` for ``y``, ``1/rstd`` for ``mean``, ``rstd`` for
-    ``rstd``; by default ``1 + |expected|``.
+    ``what`` is ``"y"``, ``"mean"`` or ``"rstd"``, or a gradient (``"dx"``, ``"dweight"``,
+    ``"dbias"``); the statistics are rounded to float32 (or float64), the others to ``dtype``.
+    ``scale`` is what the arithmetic error of an element is proportional to: :func:`y_scale`
+    for ``y``, ``1/rstd`` for ``mean``, ``rstd`` for ``rstd``, :func:`gradient_scales` for the
+    gradients; by default ``1 + |expected|``. ``rows``: the number of rows summed into each
+    element (dweight, dbias), which adds ``sqrt(rows)`` to the growth.
     """
     expected64 = to_float64(expected)
-    tol = TOLERANCES[_STATS_DTYPE.get(dtype, dtype) if what != "y" else dtype]
+    tol = TOLERANCES[_STATS_DTYPE.get(dtype, dtype) if what in _STATISTICS else dtype]
     compute = TOLERANCES[dtype].compute
     magnitude = 1.0 + np.abs(expected64) if scale is None else to_float64(scale)
-    growth = math.sqrt(cols)
+    growth = math.sqrt(cols) + math.sqrt(rows)
     with np.errstate(invalid="ignore", over="ignore"):
         allowed: np.ndarray = (
             compute * (to_float64(conditioning) + growth) * magnitude
@@ -128,6 +172,7 @@ def assert_close(
     what: str,
     cols: int,
     scale: Any = None,
+    rows: int = 0,
     repro: str = "",
 ) -> None:
     """Assert ``actual`` (NumPy) is within :func:`allowed_error` of the float64 ``expected``.
@@ -140,7 +185,8 @@ def assert_close(
     if got.shape != want.shape:
         raise AssertionError(f"{what}: shape {got.shape}, expected {want.shape}\n{repro}")
     allowed = np.broadcast_to(
-        allowed_error(want, dtype, conditioning, what=what, cols=cols, scale=scale), want.shape
+        allowed_error(want, dtype, conditioning, what=what, cols=cols, scale=scale, rows=rows),
+        want.shape,
     )
     with np.errstate(invalid="ignore"):
         error = np.abs(got - want)
