@@ -2,13 +2,14 @@
 
     python benchmarks/gpu_check.py correctness --out DIR   every kernel, both families, bitwise rows
     python benchmarks/gpu_check.py large --out DIR         65537 rows, 2^31+ elements, long rows
+    python benchmarks/gpu_check.py backward --out DIR      gradients against torch autograd
     python benchmarks/gpu_check.py bench --out DIR         GB/s against torch and a copy
 
 Every stage covers both ops, layer_norm and rms_norm (against ``torch.nn.functional.layer_norm``
-and ``torch.nn.functional.rms_norm`` in the benchmark).
+and ``torch.nn.functional.rms_norm`` in the benchmark, forward and backward).
 
-Each stage writes ``DIR/<stage>.md``. ``correctness`` and ``large`` exit 1 when a case fails;
-``bench`` measures and never fails on speed (it marks the targets met or missed).
+Each stage writes ``DIR/<stage>.md``. ``correctness``, ``large`` and ``backward`` exit 1 when a
+case fails; ``bench`` measures and never fails on speed (it marks the targets met or missed).
 
 ``--dry-run`` needs no GPU: NumPy arrays through the numpy backend and CPU torch tensors through
 the torch backend stand in for CuPy arrays and CUDA tensors, with small shapes, so that the logic
@@ -50,6 +51,12 @@ AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097, 65536, 262144)
 BENCH_HIDDEN: Final = (256, 512, 1024, 2048, 4096, 8192, 16384)
 BENCH_ROWS: Final = (4096, 16384)
 BENCH_DTYPES: Final = ("float32", "bfloat16", "float16")
+#: Row lengths of the backward check: rungs of backward_rows, the loop kernel (beyond 8192).
+BACKWARD_COLS: Final = (1, 17, 127, 1000, 4096, 8192, 8200, 16384)
+BACKWARD_DTYPES: Final = ("float32", "bfloat16", "float16")
+#: Error (max |error| / the gradient's scale, see _grad_scales) a gradient may always have, per
+#: dtype; it may also have twice torch's own at the same precision.
+GRAD_FLOOR: Final = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}
 #: (rows, hidden) where the targets apply: >= 85% of a copy's GB/s, >= 1.2x torch.
 TARGETS: Final = {(4096, 4096), (16384, 4096)}
 COPY_TARGET: Final = 0.85
@@ -279,8 +286,8 @@ def _every_kernel_cols() -> list[tuple[str, str, str, int]]:
     (16-byte accesses) and one short of full (element accesses), and rows for the loop kernel."""
     cases = []
     for spec in cuda_launch.all_specialisations():
-        if not spec.vector:
-            continue
+        if not spec.vector or spec.op not in OPS or spec.stage != "rows":
+            continue  # the backward kernels: stage "backward"
         width = cuda_launch.vector_width(spec.dtype)
         top = max(s.capacity or 0 for s in cuda_launch.program_of(spec))
         full = spec.capacity if spec.capacity is not None else 4 * top + 8 * width
@@ -519,7 +526,195 @@ def _check_large(dev: Device, op: str, rows: int, cols: int, dtype: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Stage 3: the benchmark table
+# Stage 3: the backward, against torch autograd (float64 as the exact answer)
+
+
+def backward(dev: Device) -> Report:
+    report = Report("backward")
+    cols_list = BACKWARD_COLS if not dev.dry else (1, 17, 300)
+    for op in OPS:
+        for dtype in BACKWARD_DTYPES:
+            for cols in cols_list:
+                report.run(
+                    f"{op} {dtype} 70 x {cols} through autograd vs torch",
+                    lambda o=op, d=dtype, c=cols: _check_autograd(dev, o, d, 70, c),
+                )
+            report.run(
+                f"{op} {dtype} bitwise: repeated, rows alone, CuPy arrays",
+                lambda o=op, d=dtype: _check_backward_bitwise(dev, o, d),
+            )
+        report.run(
+            f"{op} float32 4097 rows x 1024, each subset of the gradients",
+            lambda o=op: _check_needs(dev, o),
+        )
+    return report
+
+
+def _grad_inputs(dev: Device, dtype: str, rows: int, cols: int, seed: int) -> list[Any]:
+    """x (one row at 100 + 0.01 randn), dy, weight and bias as tensors of ``dtype``."""
+    import torch
+
+    generator = torch.Generator(device=dev.torch_device()).manual_seed(seed)
+
+    def randn(*shape: int) -> Any:
+        return torch.randn(shape, generator=generator, device=dev.torch_device())
+
+    x = randn(rows, cols) * 2 + 3
+    x[1 % rows] = 100 + 0.01 * randn(cols)
+    tensors = [x, randn(rows, cols), 1 + 0.5 * randn(cols), 0.5 * randn(cols)]
+    return [t.to(getattr(torch, dtype)) for t in tensors]
+
+
+def _grads_by_torch(op: str, tensors: list[Any], dtype: Any) -> dict[str, Any]:
+    """torch.autograd's gradients of torch's op, computed in ``dtype``."""
+    import torch
+
+    x, dy, w, b = (t.to(dtype, copy=True) for t in tensors)  # never the caller's tensors
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    cols = x.shape[-1]
+    if op == "rms_norm":
+        y = torch.nn.functional.rms_norm(x, (cols,), w, EPS)
+    else:
+        y = torch.nn.functional.layer_norm(x, (cols,), w, b, EPS)
+    y.backward(dy)
+    grads = {"x": x.grad, "weight": w.grad}
+    return grads if op == "rms_norm" else {**grads, "bias": b.grad}
+
+
+def _grad_scales(op: str, tensors: list[Any]) -> dict[str, Any]:
+    """The size each gradient's error is measured against (its terms' magnitudes, in float64):
+    ``rstd |dy w|`` for dx, ``sum |dy| (1 + |x^|)`` for dweight, ``sum |dy|`` for dbias. A
+    gradient that is 0 exactly (dx of rows of one element) still has a scale."""
+    import torch
+
+    x, dy, w, _ = (t.double() for t in tensors)
+    centred = x if op == "rms_norm" else x - x.mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt((centred * centred).mean(dim=-1, keepdim=True) + EPS)
+    return {
+        "x": (rstd * (dy * w).abs()).max(),
+        "weight": (dy.abs() * (1 + (centred * rstd).abs())).sum(dim=0).max(),
+        "bias": dy.abs().sum(dim=0).max(),
+    }
+
+
+def _normwise(got: Any, exact: Any, scale: Any) -> float:
+    """max |got - exact| / scale."""
+    return float((got.double() - exact).abs().max() / scale.clamp_min(1e-300))
+
+
+def _check_autograd(dev: Device, op: str, dtype: str, rows: int, cols: int) -> str:
+    """normlab's op on tensors that require grad (backend cupy: the custom ops and the backward
+    kernels), against torch autograd in float64; the error may reach GRAD_FLOOR or twice
+    torch's own at ``dtype``."""
+    import torch
+
+    tensors = _grad_inputs(dev, dtype, rows, cols, seed=rows * 131 + cols)
+    x, dy, w, b = (t.clone() for t in tensors)
+    x, w, b = (t.requires_grad_() for t in (x, w, b))
+    backend = dev.backend("torch")
+    if op == "rms_norm":
+        y = normlab.rms_norm(x, weight=w, eps=EPS, backend=backend)
+    else:
+        y = normlab.layer_norm(x, weight=w, bias=b, eps=EPS, backend=backend)
+    y.backward(dy)
+    got = {"x": x.grad, "weight": w.grad, "bias": b.grad}
+    exact = _grads_by_torch(op, tensors, torch.float64)
+    same = _grads_by_torch(op, tensors, getattr(torch, dtype))
+    scales = _grad_scales(op, tensors)
+    details, failures = [], []
+    for name, want in exact.items():
+        g = got[name]
+        if g is None or g.dtype != tensors[0].dtype or g.shape != want.shape:
+            raise AssertionError(f"d{name}: {None if g is None else (g.dtype, g.shape)}")
+        ours, theirs = (_normwise(t, want, scales[name]) for t in (g, same[name]))
+        details.append(f"d{name} {ours:.1e} (torch {theirs:.1e})")
+        if not ours <= max(2 * theirs, GRAD_FLOOR[dtype]):
+            failures.append(name)
+    if failures:
+        raise AssertionError(f"too large in d{', d'.join(failures)}: {'; '.join(details)}")
+    return "; ".join(details)
+
+
+def _stats(dev: Device, op: str, x: Any, w: Any, b: Any) -> tuple[Any, Any]:
+    """The forward's (mean, rstd) of ``x`` (mean None for rms_norm)."""
+    if op == "rms_norm":
+        _, rstd = normlab.rms_norm(
+            x, weight=w, eps=EPS, return_stats=True, backend=dev.backend("torch")
+        )
+        return None, rstd
+    _, mean, rstd = normlab.layer_norm(
+        x, weight=w, bias=b, eps=EPS, return_stats=True, backend=dev.backend("torch")
+    )
+    return mean, rstd
+
+
+def _backward_call(
+    op: str, dy: Any, x: Any, mean: Any, rstd: Any, w: Any, backend: str, **kw: Any
+) -> tuple[Any, ...]:
+    """``normlab.layer_norm_backward`` or ``normlab.rms_norm_backward``."""
+    if op == "rms_norm":
+        return tuple(normlab.rms_norm_backward(dy, x, rstd, w, backend=backend, **kw))
+    return tuple(normlab.layer_norm_backward(dy, x, mean, rstd, w, backend=backend, **kw))
+
+
+def _bits(grads: tuple[Any, ...]) -> list[bytes]:
+    return [to_numpy(g).tobytes() for g in grads]
+
+
+def _check_backward_bitwise(dev: Device, op: str, dtype: str) -> str:
+    """The gradients twice: the same bits; dx of some rows alone: the bits of the batch; the same
+    call on CuPy arrays (the other family, the same kernels): the same bits."""
+    if dev.dry:
+        raise Skip("a property of the CUDA kernels; the CPU stand-ins are not held to it here")
+    rows, cols = 1000, 4096
+    x, dy, w, b = _grad_inputs(dev, dtype, rows, cols, seed=17)
+    mean, rstd = _stats(dev, op, x, w, b)
+    first = _bits(_backward_call(op, dy, x, mean, rstd, w, "cupy"))
+    if _bits(_backward_call(op, dy, x, mean, rstd, w, "cupy")) != first:
+        raise AssertionError("a second run differs bitwise")
+    batch_dx = to_numpy(_backward_call(op, dy, x, mean, rstd, w, "cupy")[0])
+    for r in (0, 1, 31, 32, 999):
+        part = slice(r, r + 1)
+        alone = _backward_call(
+            op, dy[part], x[part], None if mean is None else mean[part], rstd[part], w, "cupy"
+        )
+        if to_numpy(alone[0]).tobytes() != batch_dx[part].tobytes():
+            raise AssertionError(f"dx of row {r} alone differs bitwise from the batch")
+    try:
+        arrays = [
+            None if t is None else dev.array(to_numpy(t), "cupy") for t in (dy, x, mean, rstd, w)
+        ]
+        on_cupy = _bits(_backward_call(op, *arrays, "cupy"))
+    except Exception as error:  # CuPy without bfloat16, say
+        raise Skip(f"CuPy arrays of {dtype}: {error}") from error
+    if on_cupy != first:
+        raise AssertionError("CuPy arrays give other bits than CUDA tensors")
+    return ""
+
+
+def _check_needs(dev: Device, op: str) -> str:
+    """Every subset of the gradients gives the bits of the full call (dweight alone, say, still
+    runs the kernel that refines each row's mean)."""
+    import itertools
+
+    x, dy, w, b = _grad_inputs(dev, "float32", 4097, 1024, seed=23)
+    mean, rstd = _stats(dev, op, x, w, b)
+    names = ("x", "weight") if op == "rms_norm" else ("x", "weight", "bias")
+    backend = dev.backend("torch")
+    full = _bits(_backward_call(op, dy, x, mean, rstd, w, backend))
+    for n in range(1, len(names)):
+        for needs in itertools.combinations(names, n):
+            got = _backward_call(op, dy, x, mean, rstd, w, backend, needs=needs)
+            for name, g, want in zip(names, got, full, strict=True):
+                if (g is None) == (name in needs):
+                    raise AssertionError(f"needs={needs}: d{name} is {g!r}")
+                if g is not None and to_numpy(g).tobytes() != want:
+                    raise AssertionError(f"needs={needs}: d{name} differs from the full call")
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 4: the benchmark table
 
 
 @dataclass(frozen=True)
@@ -615,6 +810,83 @@ def bench_table(timings: list[Timing]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class BackwardTiming:
+    op: str
+    dtype: str
+    rows: int
+    hidden: int
+    seconds: dict[str, float]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of x and dy read and dx written, plus weight read and its gradients written
+        (dweight, and dbias for layer_norm)."""
+        itemsize = numpy_dtype(self.dtype).itemsize
+        gradients = 1 if self.op == "rms_norm" else 2
+        return (3 * self.rows + 1 + gradients) * self.hidden * itemsize
+
+    def gbps(self, what: str) -> float:
+        return self.bytes / self.seconds[what] / 1e9
+
+
+def bench_backward(dev: Device) -> list[BackwardTiming]:
+    """The backward ops: normlab's functional backward (backend cupy, tensors that do not require
+    grad) against torch.autograd.grad of torch's op (one node, its graph kept between calls)."""
+    import torch
+
+    timings = []
+    hidden_sizes = BENCH_HIDDEN if not dev.dry else (256, 1024)
+    rows_list = BENCH_ROWS if not dev.dry else (64,)
+    backend = dev.backend("torch")
+    for op in OPS:
+        for dtype in BENCH_DTYPES:
+            for rows in rows_list:
+                for hidden in hidden_sizes:
+                    x, dy, w, b = _grad_inputs(dev, dtype, rows, hidden, seed=hidden)
+                    mean, rstd = _stats(dev, op, x, w, b)
+                    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+                    if op == "rms_norm":
+                        y = torch.nn.functional.rms_norm(xr, (hidden,), wr, EPS)
+                        inputs = (xr, wr)
+                    else:
+                        y = torch.nn.functional.layer_norm(xr, (hidden,), wr, br, EPS)
+                        inputs = (xr, wr, br)
+                    calls = {
+                        "normlab": lambda o=op, dy=dy, x=x, m=mean, r=rstd, w=w: _backward_call(
+                            o, dy, x, m, r, w, backend
+                        ),
+                        "torch": lambda y=y, i=inputs, dy=dy: torch.autograd.grad(
+                            y, i, dy, retain_graph=True
+                        ),
+                    }
+                    repeats = 5 if dev.dry else 20
+                    seconds = {k: dev.median_seconds(c, repeats) for k, c in calls.items()}
+                    timings.append(BackwardTiming(op, dtype, rows, hidden, seconds))
+    return timings
+
+
+def backward_table(timings: list[BackwardTiming]) -> str:
+    """One table per op: GB/s of normlab's backward and torch's, and their ratio."""
+    lines = []
+    for op in OPS:
+        lines += [
+            f"### {op} backward",
+            "",
+            "| dtype | rows × hidden | MB moved | normlab cupy GB/s | torch autograd GB/s "
+            "| cupy / torch |",
+            "|---|---|--:|--:|--:|--:|",
+        ]
+        for t in (t for t in timings if t.op == op):
+            lines.append(
+                f"| {t.dtype} | {t.rows} × {t.hidden} | {t.bytes / 1e6:.0f} "
+                f"| {t.gbps('normlab'):.0f} | {t.gbps('torch'):.0f} "
+                f"| {t.gbps('normlab') / t.gbps('torch'):.2f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -637,7 +909,7 @@ def _environment(dev: Device) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("stage", choices=("correctness", "large", "bench"))
+    parser.add_argument("stage", choices=("correctness", "large", "backward", "bench"))
     parser.add_argument("--out", type=Path, default=Path("gpu-results"))
     parser.add_argument("--dry-run", action="store_true", help="no GPU: CPU stand-ins")
     args = parser.parse_args(argv)
@@ -647,18 +919,25 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.stage == "bench":
         timings, report = bench(dev)
+        backward_timings = bench_backward(dev)
         method = (
             "GB/s = bytes of x read + y written / median time of 20 calls (CUDA events, L2 "
             "flushed before each). normlab: `normlab.layer_norm(x, weight=w, bias=b, "
             "backend='cupy')` and `normlab.rms_norm(x, weight=w, backend='cupy')` on CUDA "
             "tensors; torch: `torch.nn.functional.layer_norm` and "
             "`torch.nn.functional.rms_norm`; copy: `y.copy_(x)`. Targets, for each op: "
-            "≥ 85% of copy and ≥ 1.2× torch."
+            "≥ 85% of copy and ≥ 1.2× torch. Backward: bytes of x and dy read and dx written, "
+            "plus weight read and its gradients written, over the median time of "
+            "`normlab.layer_norm_backward(dy, x, mean, rstd, w, backend='cupy')` (and "
+            "`rms_norm_backward`) on CUDA tensors, and of `torch.autograd.grad` of torch's op "
+            "(graph kept); normlab's kernels read x and dy twice (dx, then the weight sums)."
         )
-        text = report.markdown("Benchmark", [*notes, "", method, "", bench_table(timings)])
+        tables = [bench_table(timings), backward_table(backward_timings)]
+        text = report.markdown("Benchmark", [*notes, "", method, "", *tables])
         failed = False  # a benchmark is not a test
     else:
-        report = correctness(dev) if args.stage == "correctness" else large(dev)
+        stages = {"correctness": correctness, "large": large, "backward": backward}
+        report = stages[args.stage](dev)
         text = report.markdown(args.stage.capitalize(), notes)
         failed = bool(report.failed)
     text += f"\n_{time.perf_counter() - start:.1f} s_\n"

@@ -6,13 +6,17 @@
 # from the wheels in benchmarks/wheels/ (made beforehand by benchmarks/fetch_gpu_wheels.sh) into
 # a temporary folder put on PYTHONPATH.
 #
-# Stages, each under its own time limit (365 s in all), each covering layer_norm and rms_norm:
+# Stages, each under its own time limit (465 s in all), each covering layer_norm and rms_norm:
 #   info         normlab info: which backends run here, and why not
-#   kernels      normlab kernels: NVRTC compiles every kernel for this GPU (fills the cubin cache)
+#   kernels      normlab kernels: NVRTC compiles every kernel, forward and backward, for this GPU
+#                (fills the cubin cache)
 #   conformance  normlab check cupy: the conformance suite on CuPy arrays
 #   correctness  every kernel on CuPy arrays and CUDA tensors; rows bitwise alone or in a batch
 #   large        65537 rows; 2^31 + 4096 float16 elements; rows of 1 ... 262144 elements
-#   bench        GB/s of the cupy backend, torch.nn.functional.layer_norm / rms_norm and a copy
+#   backward     gradients through autograd (custom ops, backward kernels) against torch autograd;
+#                bitwise repeatable, rows alone, CuPy arrays, every subset of the gradients
+#   bench        GB/s of the cupy backend, torch.nn.functional.layer_norm / rms_norm and a copy;
+#                of the backward against torch.autograd.grad
 #
 #   benchmarks/gpu_check.sh             results in $OUT (default ./gpu-results): summary.md,
 #                                       one .md and one .log per stage
@@ -96,7 +100,8 @@ stage kernels 90 "$PYTHON" -m normlab kernels --arch "$ARCH"
 stage conformance 90 "$PYTHON" -m normlab check cupy
 stage correctness 60 "$PYTHON" benchmarks/gpu_check.py correctness --out "$OUT" ${DRY[@]+"${DRY[@]}"}
 stage large 60 "$PYTHON" benchmarks/gpu_check.py large --out "$OUT" ${DRY[@]+"${DRY[@]}"}
-stage bench 50 "$PYTHON" benchmarks/gpu_check.py bench --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+stage backward 60 "$PYTHON" benchmarks/gpu_check.py backward --out "$OUT" ${DRY[@]+"${DRY[@]}"}
+stage bench 90 "$PYTHON" benchmarks/gpu_check.py bench --out "$OUT" ${DRY[@]+"${DRY[@]}"}
 
 {
   echo
@@ -111,7 +116,7 @@ stage bench 50 "$PYTHON" benchmarks/gpu_check.py bench --out "$OUT" ${DRY[@]+"${
   echo '```'
   tail -n 25 "$OUT/conformance.log"
   echo '```'
-  for name in correctness large bench; do
+  for name in correctness large backward bench; do
     echo
     if [[ -f "$OUT/$name.md" ]]; then
       cat "$OUT/$name.md"

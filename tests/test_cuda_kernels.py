@@ -1,8 +1,9 @@
-"""The CUDA kernels without a GPU: NVRTC compiles every specialisation (LayerNorm and RMSNorm) for
-sm_80 and sm_90 with no spills; the launch planner; the ptxas report parser; a NumPy model of the
-kernels' arithmetic (chunk assignment, per-thread moments or sums of squares, merges in the
-kernels' order); the launch from Python against a fake CuPy; and the cupy backend reporting, on a
-machine without a CUDA device, that it is unavailable and why."""
+"""The CUDA kernels without a GPU: NVRTC compiles every specialisation (LayerNorm and RMSNorm,
+forward and backward) for sm_80 and sm_90 with no spills; the launch planner; the ptxas report
+parser; a NumPy model of the kernels' arithmetic (chunk assignment, per-thread moments or sums of
+squares, merges in the kernels' order); the launch from Python against a fake CuPy; and the cupy
+backend reporting, on a machine without a CUDA device, that it is unavailable and why. The
+backward's planner and launches: test_cuda_backward.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 from normlab import reference, registry, spec
 from normlab.backends import cuda_compile, cuda_launch
 from normlab.backends.cuda_launch import (
+    FORWARD_OPS,
     MAX_GRID,
     OPS,
     Specialisation,
@@ -71,8 +73,23 @@ def test_no_kernel_spills_or_uses_a_stack(reports: list[cuda_compile.KernelRepor
 
 
 def test_registers_fit_the_launch_bounds(reports: list[cuda_compile.KernelReport]) -> None:
-    # Every kernel asks for 512 resident threads per SM: at most 128 registers per thread.
-    assert max(r.registers for r in reports) <= 128
+    # The kernels over rows ask for 512 resident threads per SM: at most 128 registers per
+    # thread; the others for one block of their size.
+    specs = {s.name: s for s in all_specialisations()}
+    for r in reports:
+        s = specs[r.name]
+        limit = 128 if s.stage == "rows" else min(255, 65536 // s.block)
+        assert r.registers <= limit, r
+
+
+def test_the_backward_kernels_are_compiled_and_reported(
+    reports: list[cuda_compile.KernelReport],
+) -> None:
+    backward = [r for r in reports if "bwd_" in r.name]
+    stages = {s.name: s.stage for s in all_specialisations()}
+    assert {stages[r.name] for r in backward} == {"rows", "partials", "sum"}
+    assert len(backward) == sum(s.op.endswith("_backward") for s in all_specialisations())
+    assert all(r.registers > 0 and not r.spills and not r.stack for r in backward)
 
 
 def test_compile_kernels_is_cached_on_disk(tmp_path: Path) -> None:
@@ -145,16 +162,21 @@ def test_ptxas_log_is_parsed() -> None:
 
 def test_specialisations_have_unique_names_and_expressions() -> None:
     specs = all_specialisations()
-    assert len({s.name for s in specs}) == len({s.expression for s in specs}) == len(specs)
+    assert len({s.name for s in specs}) == len(specs)
+    for s in specs:  # sum_chunks<float> serves three dtypes, one program each
+        program = cuda_launch.program_of(s)
+        assert len({p.expression for p in program}) == len(program)
+        assert len({p.source for p in program}) == 1
     assert {s.dtype for s in specs} == set(FLOAT_DTYPES)
-    assert {s.op for s in specs} == set(OPS) == {"layer_norm", "rms_norm"}
+    assert {s.op for s in specs} == set(OPS)
+    assert set(OPS) == {"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}
 
 
 def test_both_ops_share_the_kernel_templates() -> None:
     """One template per kernel shape: the ops differ only in the CENTRE argument, and each has
     the same specialisations (and NVRTC programs of the same shape)."""
     specs = all_specialisations()
-    layer_norm = [s for s in specs if s.op == "layer_norm"]
+    layer_norm = [s for s in specs if s.op == "layer_norm"]  # the backward: test_cuda_backward
     rms_norm = [s for s in specs if s.op == "rms_norm"]
     assert [dataclasses.replace(s, op="rms_norm") for s in layer_norm] == rms_norm
     for ln, rms in zip(layer_norm, rms_norm, strict=True):
@@ -167,7 +189,7 @@ def test_both_ops_share_the_kernel_templates() -> None:
     assert source.count("__global__") == 2
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FORWARD_OPS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("cols", [*AWKWARD_COLS, 4096, 16384, 16385])
 def test_the_smallest_rung_that_holds_the_row_is_chosen(op: str, dtype: str, cols: int) -> None:
@@ -186,7 +208,7 @@ def test_the_smallest_rung_that_holds_the_row_is_chosen(op: str, dtype: str, col
     assert spec in all_specialisations()
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FORWARD_OPS)
 def test_typical_hidden_sizes_stay_in_registers(op: str) -> None:
     for dtype in FLOAT_DTYPES:
         limit = 8192 if dtype == "float64" else 16384
@@ -197,7 +219,10 @@ def test_typical_hidden_sizes_stay_in_registers(op: str) -> None:
 @pytest.mark.parametrize("spec", all_specialisations(), ids=lambda s: s.name)
 def test_block_shapes(spec: Specialisation) -> None:
     assert spec.block % 32 == 0 and 128 <= spec.block <= 1024
-    assert spec.block == spec.threads * spec.rows_per_block
+    if spec.stage == "rows":
+        assert spec.block == spec.threads * spec.rows_per_block
+    else:
+        assert spec.rows_per_block == 1 and spec.capacity is None and not spec.loop
 
 
 def test_16_byte_accesses_need_alignment_everywhere() -> None:
@@ -231,11 +256,13 @@ def test_the_plan_never_depends_on_the_number_of_rows() -> None:
 
 def test_the_planner_and_the_kernel_source_agree() -> None:
     source = (cuda_compile.KERNEL_DIR / cuda_compile.SOURCE).read_text()
+    rows = (cuda_compile.KERNEL_DIR / "rows.cuh").read_text()  # shared with the backward
     assert f"constexpr int LOOP_THREADS = {cuda_launch.LOOP_THREADS};" in source
     assert f"constexpr int LOOP_ITEMS = {cuda_launch.LOOP_ITEMS};" in source
-    assert "THREADS < 128 ? 128 : THREADS" in source  # rows per block of the short-row kernels
+    assert "THREADS < 128 ? 128 : THREADS" in rows  # rows per block of the short-row kernels
+    assert '#include "rows.cuh"' in source
     for cxx in cuda_launch.CXX_TYPES.values():
-        assert cxx in ("float", "double") or f"struct {cxx.split('::')[1]} " in source
+        assert cxx in ("float", "double") or f"struct {cxx.split('::')[1]} " in rows
     # The template parameters, in the order the name expressions give them.
     for parameters in (
         "typename T, typename P, bool CENTRE, int THREADS, int ITEMS, bool VECTOR",

@@ -1,4 +1,5 @@
-"""Compilation of ``kernels/layer_norm.cu`` with NVRTC, without a GPU.
+"""Compilation of the CUDA kernels in ``kernels/`` (``layer_norm.cu``, ``backward.cu``) with NVRTC,
+without a GPU.
 
 NVRTC is loaded with ctypes from NVIDIA's ``nvidia-cuda-nvrtc`` wheel (or, failing that, from
 ``cuda-pathfinder`` or a CUDA toolkit on the library path). :func:`compile_kernels` is the one
@@ -30,6 +31,7 @@ from normlab.backends.cuda_launch import Specialisation, all_specialisations, pr
 
 __all__ = [
     "KERNEL_DIR",
+    "SOURCE",
     "CompiledModule",
     "CudaCompileError",
     "KernelReport",
@@ -44,6 +46,7 @@ __all__ = [
 ]
 
 KERNEL_DIR: Final = Path(__file__).parent / "kernels"
+#: The forward kernels' source (each op's file: :data:`~normlab.backends.cuda_launch.SOURCES`).
 SOURCE: Final = "layer_norm.cu"
 _CACHE_FORMAT: Final = "1"
 
@@ -279,9 +282,10 @@ def default_cache_dir() -> Path:
     return Path(base) / "normlab" / "cuda"
 
 
-def _read_sources() -> tuple[str, dict[str, str]]:
-    """The kernel source and its headers (every ``*.cuh`` beside it), passed to NVRTC in memory."""
-    source = (KERNEL_DIR / SOURCE).read_text()
+def _read_sources(name: str) -> tuple[str, dict[str, str]]:
+    """The kernel source ``name`` and its headers (every ``*.cuh`` beside it), passed to NVRTC in
+    memory."""
+    source = (KERNEL_DIR / name).read_text()
     headers = {p.name: p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh"))}
     return source, headers
 
@@ -290,9 +294,14 @@ def compile_kernels(
     specs: Sequence[Specialisation], target: str, cache_dir: Path | None = None
 ) -> CompiledModule:
     """Compile the kernels ``specs`` for ``target`` (``sm_90``: cubin; ``compute_90``: PTX) in
-    one NVRTC program. Cached in ``cache_dir`` (default :func:`default_cache_dir`); a cache that
-    cannot be written is skipped. Raises :class:`CudaCompileError` with the NVRTC log."""
-    source, headers = _read_sources()
+    one NVRTC program; they must share a source file. Cached in ``cache_dir`` (default
+    :func:`default_cache_dir`); a cache that cannot be written is skipped. Raises
+    :class:`CudaCompileError` with the NVRTC log."""
+    files = {s.source for s in specs}
+    if len(files) != 1:
+        raise ValueError(f"one NVRTC program compiles one source file, not {sorted(files)}")
+    (filename,) = files
+    source, headers = _read_sources(filename)
     options = [f"--gpu-architecture={target}", "--std=c++17"]
     if target.startswith("sm_"):
         options.append("--ptxas-options=-v")
@@ -303,7 +312,7 @@ def compile_kernels(
     directory = default_cache_dir() if cache_dir is None else cache_dir
     cached = _read_cache(directory, key)
     if cached is None:
-        image, lowered, log = _compile(source, headers, options, expressions)
+        image, lowered, log = _compile(filename, source, headers, options, expressions)
         _write_cache(directory, key, image, {"lowered": lowered, "log": log})
     else:
         image, meta = cached
@@ -319,7 +328,7 @@ def compile_kernels(
 
 
 def _compile(
-    source: str, headers: dict[str, str], options: list[str], expressions: list[str]
+    filename: str, source: str, headers: dict[str, str], options: list[str], expressions: list[str]
 ) -> tuple[bytes, dict[str, str], str]:
     lib = _nvrtc()
     program = ctypes.c_void_p()
@@ -328,7 +337,7 @@ def _compile(
     _check(
         lib,
         lib.nvrtcCreateProgram(
-            ctypes.byref(program), source.encode(), SOURCE.encode(), len(headers), texts, names
+            ctypes.byref(program), source.encode(), filename.encode(), len(headers), texts, names
         ),
         "nvrtcCreateProgram",
     )

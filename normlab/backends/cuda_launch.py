@@ -1,6 +1,8 @@
-"""The launch planner of the CUDA kernels in ``kernels/layer_norm.cu``, in plain Python.
+"""The launch planner of the CUDA kernels in ``kernels/`` (forward: ``layer_norm.cu``, backward:
+``backward.cu``), in plain Python.
 
-Both ops run the same two kernel templates: ``CENTRE = true`` is LayerNorm, ``false`` RMSNorm.
+Both ops run the same kernel templates: ``CENTRE = true`` is LayerNorm, ``false`` RMSNorm; so do
+their backward ops.
 A row of ``cols`` elements is cut into chunks of :func:`vector_width` elements (16 bytes). The
 row-resident kernel ``normalize_rows`` gives each row ``threads`` threads holding ``items``
 chunks each in registers; :func:`_ladder` lists the (threads, items) rungs, smallest capacity
@@ -10,6 +12,12 @@ row length, the dtypes and the alignment of the pointers, never on the number of
 the kernels assign chunks to threads the same way with and without 16-byte accesses, alignment
 changes the memory instructions, not the arithmetic: a row's result is bitwise the same alone or
 in any batch.
+
+The backward (:func:`plan_backward`) computes dx with ``backward_rows`` (the same rungs, each
+thread holding half as many chunks: d and g) or ``backward_loop``, and dweight/dbias in two
+fixed-order steps: ``weight_partials`` sums each chunk of :data:`~normlab.backward.ROW_CHUNK`
+rows per column into a (chunks, cols) workspace, ``sum_chunks`` adds the chunks per column.
+The chunks and both grids depend on the shape alone, never on the device.
 """
 
 from __future__ import annotations
@@ -19,24 +27,54 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from normlab.backward import ROW_CHUNK
+
 __all__ = [
+    "BACKWARD_OPS",
+    "FORWARD_OPS",
     "LOOP_ITEMS",
     "LOOP_THREADS",
     "MAX_GRID",
     "OPS",
+    "PARTIAL_THREADS",
+    "SOURCES",
+    "STAGES",
+    "SUM_COLUMNS",
+    "SUM_LANES",
+    "BackwardLaunch",
     "LaunchPlan",
     "Specialisation",
     "all_specialisations",
     "param_dtypes",
+    "plan_backward",
     "plan_launch",
     "program_of",
     "vector_width",
 ]
 
 #: The ops of the kernels, and the value of their CENTRE template parameter.
-OPS: Final = {"layer_norm": "true", "rms_norm": "false"}
+OPS: Final = {
+    "layer_norm": "true",
+    "rms_norm": "false",
+    "layer_norm_backward": "true",
+    "rms_norm_backward": "false",
+}
+FORWARD_OPS: Final = ("layer_norm", "rms_norm")
+BACKWARD_OPS: Final = ("layer_norm_backward", "rms_norm_backward")
+#: The source file of each op's kernels (in ``kernels/``).
+SOURCES: Final = {op: "layer_norm.cu" for op in FORWARD_OPS} | {
+    op: "backward.cu" for op in BACKWARD_OPS
+}
 #: Prefix of the names of each op's kernels.
-_PREFIX: Final = {"layer_norm": "", "rms_norm": "rms_"}
+_PREFIX: Final = {
+    "layer_norm": "",
+    "rms_norm": "rms_",
+    "layer_norm_backward": "bwd_",
+    "rms_norm_backward": "rms_bwd_",
+}
+#: The kernels of an op: ``rows`` (over rows: y, or dx; ``items`` 0 is the loop kernel), and for
+#: the backward ``partials`` (per-chunk column sums) and ``sum`` (the chunks added per column).
+STAGES: Final = ("rows", "partials", "sum")
 #: C++ element type of each dtype name (``half``/``bfloat16`` are storage types of the .cu file).
 CXX_TYPES: Final = {
     "float16": "normlab::half",
@@ -54,6 +92,11 @@ LOOP_ITEMS: Final = 4
 MAX_GRID: Final = 2**31 - 1
 #: Fewest threads per block of ``normalize_rows`` (short rows share a block).
 _MIN_BLOCK: Final = 128
+#: Threads per block of ``weight_partials`` (one 16-byte chunk of columns each), as in the .cu.
+PARTIAL_THREADS: Final = 128
+#: Columns per block of ``sum_chunks``, and lanes per column that share out the chunks.
+SUM_COLUMNS: Final = 32
+SUM_LANES: Final = 32
 
 
 def vector_width(dtype: str) -> int:
@@ -61,15 +104,19 @@ def vector_width(dtype: str) -> int:
     return 16 // ITEMSIZE[dtype]
 
 
-def _max_items(dtype: str) -> int:
-    """Chunks per thread at most: 32 float accumulators (16 doubles) of row per thread."""
-    return 4 if ITEMSIZE[dtype] == 2 else 8
+def _max_items(op: str, dtype: str) -> int:
+    """Chunks per thread at most: 32 float accumulators (16 doubles) of row per thread; half as
+    many chunks for the backward, whose threads hold two arrays (d and g)."""
+    forward = 4 if ITEMSIZE[dtype] == 2 else 8
+    return forward if op in FORWARD_OPS else forward // 2
 
 
-def _ladder(dtype: str) -> tuple[tuple[int, int], ...]:
-    """(threads per row, chunks per thread) of ``normalize_rows``, smallest capacity first."""
-    top = _max_items(dtype)
-    rungs = [(32, 1), (32, 2), (32, 4), (64, 4), (128, 4)]
+def _ladder(op: str, dtype: str) -> tuple[tuple[int, int], ...]:
+    """(threads per row, chunks per thread) of the rows kernel of ``op``, smallest capacity
+    first."""
+    top = _max_items(op, dtype)
+    rungs = [(32, items) for items in (1, 2, 4) if items <= top]
+    rungs += [(64, min(top, 4)), (128, min(top, 4))]
     if top > 4:
         rungs.append((128, top))
     return (*rungs, (256, top), (512, top))
@@ -84,9 +131,11 @@ def param_dtypes(dtype: str) -> tuple[str, ...]:
 class Specialisation:
     """One compiled kernel: op, element and parameter dtypes, shape class, memory access width.
 
-    ``op`` is ``"layer_norm"`` or ``"rms_norm"``; ``threads`` the number of threads per row;
-    ``items`` the chunks each holds (0 for the loop kernel, which streams); ``vector``: 16-byte
-    loads and stores.
+    ``op`` is a key of :data:`OPS`; ``threads`` the number of threads per row; ``items`` the
+    chunks each holds (0 for the loop kernel, which streams); ``vector``: 16-byte loads and
+    stores; ``stage`` one of :data:`STAGES` (``partials`` and ``sum``: backward only, with
+    ``param_dtype == dtype``, ``items`` 0 and ``threads`` :data:`PARTIAL_THREADS` or
+    :data:`SUM_COLUMNS`).
     """
 
     op: str
@@ -95,48 +144,70 @@ class Specialisation:
     threads: int
     items: int
     vector: bool
+    stage: str = "rows"
 
     @property
     def loop(self) -> bool:
-        return self.items == 0
+        """The rows kernel for rows of any length (``normalize_loop``, ``backward_loop``)."""
+        return self.stage == "rows" and self.items == 0
+
+    @property
+    def source(self) -> str:
+        """The file in ``kernels/`` that defines the kernel."""
+        return SOURCES[self.op]
 
     @property
     def name(self) -> str:
-        """A short unique name, e.g. ``rows_f16_pf32_t128_i4_vec`` (layer_norm) or
-        ``rms_loop_f32_pf32_scalar`` (rms_norm)."""
-        types = f"{_SHORT[self.dtype]}_p{_SHORT[self.param_dtype]}"
+        """A short unique name, e.g. ``rows_f16_pf32_t128_i4_vec`` (layer_norm),
+        ``rms_loop_f32_pf32_scalar`` (rms_norm), ``bwd_partials_bf16_vec`` or ``rms_bwd_sum_f16``
+        (the backward ops)."""
+        prefix = _PREFIX[self.op]
         access = "vec" if self.vector else "scalar"
+        if self.stage == "partials":
+            return f"{prefix}partials_{_SHORT[self.dtype]}_{access}"
+        if self.stage == "sum":
+            return f"{prefix}sum_{_SHORT[self.dtype]}"
+        types = f"{_SHORT[self.dtype]}_p{_SHORT[self.param_dtype]}"
         if self.loop:
-            return f"{_PREFIX[self.op]}loop_{types}_{access}"
-        return f"{_PREFIX[self.op]}rows_{types}_t{self.threads}_i{self.items}_{access}"
+            return f"{prefix}loop_{types}_{access}"
+        return f"{prefix}rows_{types}_t{self.threads}_i{self.items}_{access}"
 
     @property
     def expression(self) -> str:
         """The C++ name of the kernel instantiation (an NVRTC name expression)."""
         t, p, centre = CXX_TYPES[self.dtype], CXX_TYPES[self.param_dtype], OPS[self.op]
         v = "true" if self.vector else "false"
+        if self.stage == "partials":
+            return f"normlab::weight_partials<{t}, {centre}, {v}>"
+        if self.stage == "sum":
+            return f"normlab::sum_chunks<{'double' if self.dtype == 'float64' else 'float'}>"
+        kernel = "normalize" if self.op in FORWARD_OPS else "backward"
         if self.loop:
-            return f"normlab::normalize_loop<{t}, {p}, {centre}, {v}>"
-        return f"normlab::normalize_rows<{t}, {p}, {centre}, {self.threads}, {self.items}, {v}>"
+            return f"normlab::{kernel}_loop<{t}, {p}, {centre}, {v}>"
+        return f"normlab::{kernel}_rows<{t}, {p}, {centre}, {self.threads}, {self.items}, {v}>"
 
     @property
     def block(self) -> int:
         """Threads per block."""
-        return self.threads if self.loop else max(self.threads, _MIN_BLOCK)
+        if self.stage == "sum":
+            return SUM_COLUMNS * SUM_LANES
+        return self.threads if self.loop or self.stage != "rows" else max(self.threads, _MIN_BLOCK)
 
     @property
     def rows_per_block(self) -> int:
-        return 1 if self.loop else self.block // self.threads
+        return self.block // self.threads if self.stage == "rows" and not self.loop else 1
 
     @property
     def capacity(self) -> int | None:
-        """Longest row held in registers (``None``: the loop kernel takes any length)."""
-        return None if self.loop else self.threads * self.items * vector_width(self.dtype)
+        """Longest row held in registers (``None``: any length)."""
+        if self.loop or self.stage != "rows":
+            return None
+        return self.threads * self.items * vector_width(self.dtype)
 
 
 @functools.cache
 def all_specialisations() -> tuple[Specialisation, ...]:
-    """Every kernel the planner can choose, grouped by (op, dtype, parameter dtype)."""
+    """Every kernel the planner can choose, grouped by program (see :func:`program_of`)."""
     specs: list[Specialisation] = []
     for op in OPS:
         for dtype in CXX_TYPES:
@@ -144,18 +215,31 @@ def all_specialisations() -> tuple[Specialisation, ...]:
                 for vector in (True, False):
                     specs.extend(
                         Specialisation(op, dtype, param, threads, items, vector)
-                        for threads, items in _ladder(dtype)
+                        for threads, items in _ladder(op, dtype)
                     )
                     specs.append(Specialisation(op, dtype, param, LOOP_THREADS, 0, vector))
+            if op in BACKWARD_OPS:
+                specs += [
+                    Specialisation(op, dtype, dtype, PARTIAL_THREADS, 0, vector, "partials")
+                    for vector in (True, False)
+                ]
+                specs.append(Specialisation(op, dtype, dtype, SUM_COLUMNS, 0, False, "sum"))
     return tuple(specs)
+
+
+def _program_key(spec: Specialisation) -> tuple[str, ...]:
+    if spec.op in BACKWARD_OPS:
+        return (spec.op, spec.dtype)
+    return (spec.op, spec.dtype, spec.param_dtype)
 
 
 def program_of(spec: Specialisation) -> tuple[Specialisation, ...]:
     """The specialisations compiled in one NVRTC program with ``spec``: those of its op, dtype
-    and parameter dtype (run time and :func:`~normlab.backends.cuda_compile.compile_all` share
-    the programs, hence the cached cubins)."""
-    group = (spec.op, spec.dtype, spec.param_dtype)
-    return tuple(s for s in all_specialisations() if (s.op, s.dtype, s.param_dtype) == group)
+    and (forward) parameter dtype; a backward program holds every kernel one call may need (run
+    time and :func:`~normlab.backends.cuda_compile.compile_all` share the programs, hence the
+    cached cubins)."""
+    key = _program_key(spec)
+    return tuple(s for s in all_specialisations() if _program_key(s) == key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +289,20 @@ def plan_launch(
     strides between rows of x and out. 16-byte accesses are used when every address and every
     row stride in bytes is a multiple of 16 and ``cols`` a multiple of the chunk length.
     """
-    if op not in OPS:
-        raise ValueError(f"the CUDA kernels compute {', '.join(OPS)}, not {op}")
+    if op not in FORWARD_OPS:
+        raise ValueError(f"plan_launch plans {', '.join(FORWARD_OPS)}, not {op}")
+    return _plan_rows(op, cols, dtype, param_dtype, addresses, row_strides)
+
+
+def _plan_rows(
+    op: str,
+    cols: int,
+    dtype: str,
+    param_dtype: str | None,
+    addresses: Sequence[int | None],
+    row_strides: Sequence[int],
+) -> LaunchPlan:
+    """The rows kernel of any op (arguments as for :func:`plan_launch`)."""
     if cols < 1:
         raise ValueError(f"cols must be >= 1 (no launch for empty input), got {cols}")
     param = dtype if param_dtype is None else param_dtype
@@ -218,7 +314,66 @@ def plan_launch(
         and all(a % 16 == 0 for a in addresses if a is not None)
         and all(s * itemsize % 16 == 0 for s in row_strides)
     )
-    for threads, items in _ladder(dtype):
+    for threads, items in _ladder(op, dtype):
         if cols <= threads * items * width:
             return LaunchPlan(Specialisation(op, dtype, param, threads, items, vector), cols)
     return LaunchPlan(Specialisation(op, dtype, param, LOOP_THREADS, 0, vector), cols)
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardLaunch:
+    """How to launch a backward op for rows of one length: ``rows`` computes dx (and each row's
+    residual ``res``), ``partials`` the per-chunk column sums, ``sum`` adds the chunks."""
+
+    rows: LaunchPlan
+    partials: Specialisation
+    sum: Specialisation
+    cols: int
+
+    @staticmethod
+    def chunks(rows: int) -> int:
+        """Chunks of :data:`~normlab.backward.ROW_CHUNK` rows (the last may be short): the rows
+        of the partial-sums workspace. A function of ``rows`` alone."""
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1 (no launch for empty input), got {rows}")
+        return -(-rows // ROW_CHUNK)
+
+    def partials_grid(self, rows: int) -> int:
+        """Blocks of ``weight_partials``: one per (chunk, tile of columns); blocks stride over
+        the pairs beyond MAX_GRID."""
+        tile = PARTIAL_THREADS * vector_width(self.partials.dtype)
+        return min(self.chunks(rows) * -(-self.cols // tile), MAX_GRID)
+
+    def sum_grid(self, outputs: int) -> tuple[int, int]:
+        """Blocks of ``sum_chunks`` for ``outputs`` gradients (1: dweight, 2: and dbias)."""
+        if outputs not in (1, 2):
+            raise ValueError(f"sum_chunks adds 1 or 2 gradients, not {outputs}")
+        return min(-(-self.cols // SUM_COLUMNS), MAX_GRID), outputs
+
+
+def plan_backward(
+    op: str,
+    cols: int,
+    dtype: str,
+    param_dtype: str | None,
+    addresses: Sequence[int | None],
+    row_strides: Sequence[int],
+) -> BackwardLaunch:
+    """The launch of the backward ``op`` (``"layer_norm_backward"``, ``"rms_norm_backward"``)
+    for rows of ``cols`` elements of ``dtype``.
+
+    ``param_dtype``: weight's dtype (``None``: no weight). ``addresses``: byte addresses of dy,
+    x, dx and weight (``None`` for those absent); ``row_strides``: element strides between rows
+    of dy, x and dx. 16-byte accesses, in every kernel, when all are 16-byte aligned and
+    ``cols`` is a multiple of the chunk length (the workspace then is too).
+    """
+    if op not in BACKWARD_OPS:
+        raise ValueError(f"plan_backward plans {', '.join(BACKWARD_OPS)}, not {op}")
+    rows = _plan_rows(op, cols, dtype, param_dtype, addresses, row_strides)
+    vector = rows.specialisation.vector
+    return BackwardLaunch(
+        rows=rows,
+        partials=Specialisation(op, dtype, dtype, PARTIAL_THREADS, 0, vector, "partials"),
+        sum=Specialisation(op, dtype, dtype, SUM_COLUMNS, 0, False, "sum"),
+        cols=cols,
+    )

@@ -1,11 +1,14 @@
-"""The CuPy backend: the raw CUDA kernels of ``kernels/layer_norm.cu`` (LayerNorm and RMSNorm),
-compiled with NVRTC.
+"""The CuPy backend: the raw CUDA kernels of ``kernels/`` (LayerNorm and RMSNorm, forward in
+``layer_norm.cu`` and backward in ``backward.cu``), compiled with NVRTC.
 
 Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
 read and written in place through their raw pointers on torch's current stream, and the result
-is a tensor. The kernel for a row length is chosen by :mod:`~normlab.backends.cuda_launch`,
-compiled for the device's architecture by :mod:`~normlab.backends.cuda_compile` on first use
-(cubins are cached on disk) and kept per (device, specialisation). Nothing here imports CuPy
+is a tensor. The kernels record no autograd graph: tensors that require grad go through
+normlab's torch custom ops (:mod:`normlab.torch`), which call back here with tensors that do
+not, so that the gradients come from this backend's backward kernels. The kernel for a row
+length is chosen by :mod:`~normlab.backends.cuda_launch`, compiled for the device's architecture
+by :mod:`~normlab.backends.cuda_compile` on first use (cubins are cached on disk) and kept per
+(device, specialisation). Nothing here imports CuPy
 before it is called, and :func:`device_problem` never raises.
 """
 
@@ -16,10 +19,19 @@ from typing import Any, Final
 import numpy as np
 
 from normlab.backends.cuda_compile import compile_kernels, nvrtc_problem, target_for
-from normlab.backends.cuda_launch import Specialisation, plan_launch, program_of
+from normlab.backends.cuda_launch import Specialisation, plan_backward, plan_launch, program_of
+from normlab.errors import BackendError
 from normlab.spec import Plan
 
-__all__ = ["device_problem", "from_numpy", "layer_norm", "rms_norm", "to_numpy"]
+__all__ = [
+    "device_problem",
+    "from_numpy",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+    "to_numpy",
+]
 
 _STATS: Final = {"float32": np.float32, "float64": np.float64}
 _functions: dict[tuple[int, Specialisation], Any] = {}
@@ -151,15 +163,42 @@ def layer_norm(
 ) -> tuple[Any, Any | None, Any | None]:
     """Normalize each row of the 2-D ``x`` (unit column stride, any row stride; a CuPy array or,
     named explicitly, a CUDA torch tensor); see :mod:`normlab.hookspecs`. ``out`` may be ``x``.
-    Weight and bias of different dtypes are both read as float32."""
+    Weight and bias of different dtypes are both read as float32. Tensors that require grad
+    (``out`` None) go through ``normlab::layer_norm``, recorded by autograd."""
+    if _through_autograd(plan, out):
+        from normlab.torch import layer_norm_with_autograd
+
+        return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="cupy")
     return _launch(x, weight, bias, plan, out)
 
 
 def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
     """RMS-normalize each row of the 2-D ``x``, ``y = x / sqrt(mean(x^2) + eps) * weight``; the
     arrays as for :func:`layer_norm` (``bias`` is always None)."""
+    if _through_autograd(plan, out):
+        from normlab.torch import rms_norm_with_autograd
+
+        return rms_norm_with_autograd(x, weight, None, plan=plan, backend="cupy")
     y, _, rstd = _launch(x, weight, None, plan, out)
     return y, None, rstd
+
+
+def _through_autograd(plan: Plan, out: Any) -> bool:
+    """Whether a forward call goes through normlab's custom ops: tensors that require grad and
+    no ``out``. With ``out`` (spec refuses it when x requires grad) and a weight or bias that
+    requires grad, the call is refused while grad mode is on: the result would be detached."""
+    if plan.family != "torch" or not plan.requires_grad:
+        return False
+    if out is None:
+        return True
+    import torch
+
+    if torch.is_grad_enabled():
+        raise BackendError(
+            "the cupy backend cannot write into out= and record autograd, and weight or bias "
+            "requires grad; leave out= unset, or call under torch.no_grad()"
+        )
+    return False
 
 
 def _launch(
@@ -208,6 +247,102 @@ def _parameters(arrays: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, A
         param_dtype = plan.weight_dtype or plan.bias_dtype
     weight, bias = (None if p is None else arrays.contiguous(p) for p in (weight, bias))
     return weight, bias, param_dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Backward (see :mod:`normlab.backward` for the contract and kernels/backward.cu for the kernels).
+
+
+def layer_norm_backward(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """LayerNorm's ``(dx, dweight, dbias)`` of the 2-D ``dy`` and ``x`` (unit column stride,
+    any row stride); see :mod:`normlab.backward`. dweight and dbias are deterministic: the same
+    bits on every run and every GPU. Tensors that require grad go through the custom op."""
+    if plan.family == "torch" and plan.requires_grad:
+        from normlab.torch import backward_with_autograd
+
+        return backward_with_autograd(dy, x, mean, rstd, weight, needs=needs, backend="cupy")
+    return _backward(dy, x, mean, rstd, weight, plan, needs)
+
+
+def rms_norm_backward(
+    dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any]:
+    """RMSNorm's ``(dx, dweight)``, as :func:`layer_norm_backward`."""
+    needs = needs - {"bias"}
+    if plan.family == "torch" and plan.requires_grad:
+        from normlab.torch import backward_with_autograd
+
+        dx, dweight, _ = backward_with_autograd(
+            dy, x, None, rstd, weight, needs=needs, backend="cupy"
+        )
+    else:
+        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs)
+    return dx, dweight
+
+
+def _backward(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """Both backward ops (``mean`` None: RMSNorm). Up to three launches on x's stream:
+    ``backward_rows``/``backward_loop`` for dx (and, for LayerNorm's dweight, each row's
+    residual ``res``), ``weight_partials`` for the per-chunk sums, ``sum_chunks`` for dweight
+    and dbias. dweight without dx still runs the first kernel for ``res`` (LayerNorm)."""
+    import cupy
+
+    arrays = _Torch if plan.family == "torch" else _Cupy
+    rows, cols = plan.rows, plan.cols
+    compute = arrays.stats_dtype(plan.compute_dtype)
+    centre = mean is not None
+    need_dw, need_db = "weight" in needs, centre and "bias" in needs
+    mean, rstd, w = (None if a is None else arrays.contiguous(a) for a in (mean, rstd, weight))
+    dx = arrays.empty((rows, cols), x.dtype, x) if "x" in needs else None
+    res = arrays.empty((rows,), compute, x) if centre and need_dw else None
+    dy_at, x_at, dx_at, w_at = (0 if a is None else arrays.address(a) for a in (dy, x, dx, w))
+    strides = [arrays.row_stride(dy), arrays.row_stride(x)]
+    dx_stride = cols if dx is None else arrays.row_stride(dx)
+    launch = plan_backward(
+        plan.op, cols, plan.dtype, plan.weight_dtype, [dy_at, x_at, dx_at or None, w_at or None],
+        [*strides, dx_stride],
+    )  # fmt: skip
+    device, stream = arrays.device(x), arrays.stream(x)
+    mean_at, rstd_at, res_at = (0 if a is None else arrays.address(a) for a in (mean, rstd, res))
+    sizes = [np.int64(rows), np.int64(cols), *(np.int64(s) for s in strides)]
+    with cupy.cuda.Device(device):
+        if dx is not None or res is not None:
+            kernel = launch.rows
+            pointers = (dy_at, x_at, mean_at, rstd_at, w_at, dx_at, res_at)
+            _function(device, kernel.specialisation)(
+                (kernel.grid(rows),), (kernel.block,),
+                (*map(np.uint64, pointers), *sizes, np.int64(dx_stride)), stream=stream,
+            )  # fmt: skip
+        if not (need_dw or need_db):
+            return dx, None, None
+        chunks = launch.chunks(rows)
+        w_parts, b_parts, dweight, dbias = (
+            arrays.empty(shape, compute, x) if needed else None
+            for shape, needed in (
+                ((chunks, cols), need_dw),
+                ((chunks, cols), need_db),
+                ((cols,), need_dw),
+                ((cols,), need_db),
+            )
+        )
+        w_parts_at, b_parts_at, dweight_at, dbias_at = (
+            0 if a is None else arrays.address(a) for a in (w_parts, b_parts, dweight, dbias)
+        )
+        inputs = (dy_at, x_at, mean_at, res_at, rstd_at, w_parts_at, b_parts_at)
+        _function(device, launch.partials)(
+            (launch.partials_grid(rows),), (launch.partials.block,),
+            (*map(np.uint64, inputs), *sizes), stream=stream,
+        )  # fmt: skip
+        outputs = (w_parts_at, b_parts_at, dweight_at, dbias_at)
+        _function(device, launch.sum)(
+            launch.sum_grid(2 if need_db else 1), (launch.sum.block,),
+            (*map(np.uint64, outputs), np.int64(chunks), np.int64(cols)), stream=stream,
+        )  # fmt: skip
+    return dx, dweight, dbias
 
 
 def to_numpy(a: Any) -> np.ndarray:

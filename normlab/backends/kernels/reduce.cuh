@@ -1,6 +1,7 @@
 // The statistics of a row, and the rules that merge the statistics of two parts of it:
 //   Moments    count, mean, M2 = sum((v - mean)^2)   merged by Chan et al. (LayerNorm)
 //   SquareSum  sum(v^2)                              merged by addition    (RMSNorm)
+//   Sums       N sums                                merged by addition    (the backward)
 //
 // Every normlab kernel reduces a row the same way: each thread computes the exact statistic of
 // the values it holds (from its registers), then the threads of a row merge those statistics
@@ -112,7 +113,36 @@ __device__ __forceinline__ SquareSum<A> shuffle_xor(const SquareSum<A>& s, int o
   return SquareSum<A>{__shfl_xor_sync(0xffffffffu, s.sum, offset)};
 }
 
-// Merges the statistics S (Moments or SquareSum) of the 32 lanes of a warp (a butterfly over
+// N independent sums (the backward's row sums: of d, g and g * d for LayerNorm, of g * d for
+// RMSNorm). The empty set is all zeros.
+template <typename A, int N>
+struct Sums {
+  A v[N];
+};
+
+// The sums of the union of two disjoint sets: added member by member. Exact when either side is
+// empty, and the same bits in either order.
+template <typename A, int N>
+__device__ __forceinline__ Sums<A, N> combine(const Sums<A, N>& a, const Sums<A, N>& b) {
+  Sums<A, N> r;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    r.v[j] = a.v[j] + b.v[j];
+  }
+  return r;
+}
+
+template <typename A, int N>
+__device__ __forceinline__ Sums<A, N> shuffle_xor(const Sums<A, N>& s, int offset) {
+  Sums<A, N> r;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    r.v[j] = __shfl_xor_sync(0xffffffffu, s.v[j], offset);
+  }
+  return r;
+}
+
+// Merges the statistics S (Moments, SquareSum or Sums) of the 32 lanes of a warp (a butterfly over
 // lane-index bits). At each step the lower lane group's statistic is the first argument of
 // combine on both partners, so every lane computes the same operations in the same order and
 // ends with the same bits.
