@@ -78,7 +78,14 @@ def route(plan: Plan, choice: Choice) -> Route:
             and not plan.empty
         ),
         copy_x=copy_x,
-        out_direct=plan.has_out and "out" in caps and _reads(caps, plan.out_strides, plan),
+        # with an input that requires grad, the core copies the result into out (recorded by
+        # autograd): a backend writing out itself would leave the graph
+        out_direct=(
+            plan.has_out
+            and not plan.requires_grad
+            and "out" in caps
+            and _reads(caps, plan.out_strides, plan)
+        ),
         inplace_ok="inplace" in caps,
         inverse=inverse,
         permuted_shape=permuted,
@@ -217,7 +224,7 @@ def _run(
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
     out_y, out_mean, out_rstd = split_out(plan.op, out)
     if plan.empty:
-        y, mean, rstd = _empty_result(plan, x, out_y)
+        y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:
         r = r or route(plan, choice)
         x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
@@ -255,11 +262,18 @@ def _run(
     return y, mean, rstd
 
 
-def _empty_result(plan: Plan, x: Any, out_y: Any) -> tuple[Any, Any, Any]:
+def _empty_result(plan: Plan, x: Any, weight: Any, bias: Any, out_y: Any) -> tuple[Any, Any, Any]:
+    """No rows or no columns: an empty ``y`` (in the autograd graph when an input requires
+    grad) and statistics of NaN (a mean over no column); no kernel is launched."""
     import array_api_compat
 
     xp = array_api_compat.array_namespace(x)
-    y = out_y if out_y is not None else xp.empty_like(x)
+    if plan.requires_grad:
+        y = _empty_in_graph(x, weight, bias)
+        if out_y is not None:
+            y = out_y.copy_(y)
+    else:
+        y = out_y if out_y is not None else xp.empty_like(x)
     if not plan.return_stats:
         return y, None, None
     dtype = getattr(xp, plan.stats_dtype)
@@ -269,3 +283,14 @@ def _empty_result(plan: Plan, x: Any, out_y: Any) -> tuple[Any, Any, Any]:
         mean = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
     rstd = xp.full(plan.stats_shape, float("nan"), dtype=dtype, device=device)
     return y, mean, rstd
+
+
+def _empty_in_graph(x: Any, weight: Any, bias: Any) -> Any:
+    """An empty tensor like ``x`` recorded by autograd as a function of every input that
+    requires grad, so that ``backward()`` gives an empty ``dx`` and zero ``dweight``/``dbias``
+    (as torch's own layer_norm does). Only torch tensors require grad."""
+    y = x * 0 if x.requires_grad else x.new_empty(x.shape)
+    for p in (weight, bias):
+        if p is not None and p.requires_grad:
+            y = y + p.sum() * 0  # a 0-d term: it keeps y's shape and dtype
+    return y

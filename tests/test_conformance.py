@@ -18,16 +18,9 @@ from normlab.errors import BackendError
 from normlab.testing import pytest_plugin
 
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
-#: catch a failure: once one is fixed, test_backend_conforms asks to remove it.
-KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {
-    # torch's own half-precision CPU kernel gives bias only to within a float16 rounding on
-    # constant rows (e.g. -3.1e-05 for a row of 3.7); widening to float32 first would fix it
-    # at 5x the memory and a quarter of the speed, so the torch backend keeps torch's numerics.
-    "torch": (
-        "test_constant_rows_give_bias[torch-float16-",
-        "test_constant_rows_give_bias[torch-bfloat16-",
-    ),
-}
+#: catch a failure: once one is fixed, test_backend_conforms asks to remove it. None at present:
+#: numpy, numba and torch pass the whole suite, backward area included.
+KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {}
 
 
 class Outcomes:

@@ -10,6 +10,15 @@ buffer that stays in cache, with the shifted two-pass formula::
 
 float16 and bfloat16 are computed in float32 and rounded once when the block is stored.
 RMSNorm runs the same loop without the centring: ``rstd = 1 / sqrt(mean(x^2) + eps)``.
+
+Two rows-sized checks keep the fast path exact at the edges of the float range: a row whose
+variance is not finite (float32 squares overflow past about 1.8e19, or x holds NaN/Inf) is
+recomputed alone by :func:`_wide_rows`, in float64 (scaled by a power of two beyond 2^400);
+and with ``eps > 0`` the factor applied to a row is capped at the compute dtype's largest
+value, so a constant row (all deviations exactly 0) gives exactly ``bias`` even where
+``1/sqrt(eps)`` overflows (eps below about 8.6e-78 in float32); its returned ``rstd`` is then
+inf, the float32 rounding of the true value. In place (``out`` is x), the result does not
+double as scratch: x must stay readable until its block is done.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ __all__ = [
 
 #: Bytes of compute-dtype scratch per block: small enough to stay in L2 on most CPUs.
 BLOCK_BYTES: Final = 512 * 1024
+#: Rows recomputed by _wide_rows whose largest magnitude exceeds 2^this are scaled down first.
+SCALE_FROM: Final = 400
 
 
 def layer_norm(
@@ -89,8 +100,13 @@ def _normalize_blocks(
     means = np.empty(rows, compute) if plan.return_stats and centre else None
     rstds = np.empty(rows, compute) if plan.return_stats else None
     block = max(1, BLOCK_BYTES // (cols * compute.itemsize))
-    # The result block doubles as scratch when it already has the compute dtype and C layout.
-    y_is_scratch = y.dtype == compute and y.flags.c_contiguous
+    # The result block doubles as scratch when it already has the compute dtype and C layout,
+    # and is not x's memory (in place): a row recomputed by _wide_rows reads x after the pass.
+    y_is_scratch = y.dtype == compute and y.flags.c_contiguous and not np.may_share_memory(x, y)
+    # eps > 0 but 1/sqrt(eps) beyond the compute dtype: cap the factor, so that the exact zeros
+    # of a constant row stay 0 (not 0 * inf)
+    cap = np.finfo(compute).max
+    capped = plan.eps > 0 and 1.0 / np.sqrt(plan.eps) > cap
     scratch = None if y_is_scratch else np.empty((min(block, rows), cols), compute)
     ones = np.ones(cols, compute)  # row sums as dot products: vectorised, one row at a time
     for start in range(0, rows, block):
@@ -109,19 +125,60 @@ def _normalize_blocks(
         var = np.vecdot(t, t)[:, None]
         var /= cols
         # eps is added in float64: an eps below float32's range must not vanish
-        rstd = (1.0 / np.sqrt(var.astype(np.float64) + plan.eps)).astype(compute)
-        t *= rstd
+        rstd64 = 1.0 / np.sqrt(var.astype(np.float64) + plan.eps)
+        rstd = rstd64.astype(compute)
+        t *= np.minimum(rstd64, cap).astype(compute) if capped else rstd
         if w is not None:
             t *= w
         if b is not None:
             t += b
+        wide = None
+        if not np.isfinite(np.add.reduce(var[:, 0])):  # rows-sized: squares overflowed, or NaN
+            bad = np.flatnonzero(~np.isfinite(var[:, 0]))
+            if bad.size:
+                wide = _wide_rows(xb[bad], weight, bias, plan.eps, centre)
         if t is not yb:
             yb[...] = t
         if means is not None:
             means[start:stop] = (x0 + shift)[:, 0]
         if rstds is not None:
             rstds[start:stop] = rstd[:, 0]
+        if wide is not None:
+            yb[bad] = wide[0]
+            if means is not None:
+                means[start + bad] = wide[1]
+            if rstds is not None:
+                rstds[start + bad] = wide[2]
     return y, means, rstds
+
+
+def _wide_rows(
+    x: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    centre: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(y, mean, rstd)`` of a few rows in float64 (y 2-D; mean, rstd 1-D). A row whose largest
+    magnitude exceeds 2^400 (float64 x) is divided by a power of two ``s`` first, so that no
+    square overflows: ``(x/s - mean/s) / sqrt(var/s^2 + eps/s^2)`` is the same ``y``. A NaN or
+    Inf in a row makes that row NaN."""
+    x64 = x.astype(np.float64)
+    _, exponent = np.frexp(np.max(np.abs(x64), axis=1, keepdims=True))
+    s = np.ldexp(1.0, np.maximum(exponent - SCALE_FROM, 0))
+    xs = x64 / s
+    mean = np.zeros_like(s)
+    if centre:
+        x0 = xs[:, :1]
+        mean = x0 + (xs - x0).mean(axis=1, keepdims=True)
+    d = xs - mean
+    rstd = 1.0 / np.sqrt(np.mean(d * d, axis=1, keepdims=True) + eps / (s * s))
+    y = d * rstd
+    if weight is not None:
+        y *= weight.astype(np.float64)
+    if bias is not None:
+        y += bias.astype(np.float64)
+    return y, (mean * s)[:, 0], (rstd / s)[:, 0]
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:
@@ -180,8 +237,22 @@ def _backward(
 
     ``x̂ = (x - mean - r) * rstd`` with ``r = mean(x - mean)`` the residual of a rounded mean.
     Blocks are whole chunks of :data:`~normlab.backward.ROW_CHUNK` rows; each chunk's column
-    sums (float64) are kept and added chunk after chunk at the end.
+    sums (float64) are kept and added chunk after chunk at the end. NaN and Inf propagate
+    quietly, as in the forward.
     """
+    with np.errstate(all="ignore"):
+        return _backward_blocks(dy, x, mean, rstd, weight, plan, needs)
+
+
+def _backward_blocks(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     compute = np.dtype(plan.compute_dtype)
     rows, cols = plan.rows, plan.cols
     chunks = -(-rows // ROW_CHUNK)

@@ -1,22 +1,37 @@
-"""The PyTorch backend: ``torch.nn.functional.layer_norm`` on CPU and CUDA, autograd kept.
+"""The PyTorch backend: torch's own layer_norm/rms_norm kernels on CPU and CUDA, autograd kept.
 
-This backend is torch's own kernel, with torch's numerics: for float16/bfloat16 it accumulates
-in float32 and rounds once, but a constant half-precision row gives ``bias`` only to within a
-float16 rounding (torch's vectorised statistics), not exactly as normlab's own kernels do;
-the conformance run records that deviation. Statistics for ``return_stats`` come from
+This backend is torch's kernels, with torch's numerics, plus on CPU a repair of the rows where
+those numerics fail. After each CPU call a rows-sized check of the statistics torch returns
+(``rstd``) finds the rows that torch's float32 arithmetic got wrong, and :func:`_wide_rows`
+recomputes only those, in float64 with torch operations (differentiable; a row whose largest
+magnitude exceeds 2^400 is first divided by a power of two). Bad rows are those where
+
+* ``rstd`` is 0, inf or NaN: float32 squares that overflow (rows spread wider than about
+  1.8e19), or an ``eps`` that vanishes in float32 on a constant row (0 * inf = NaN);
+* ``eps > 0`` dominates the variance (``rstd >= 0.5 / sqrt(eps)``) and either x is
+  float16/bfloat16 (torch's CPU kernel for half x is off by about ``|mean| * rstd * 2^-24``,
+  so a constant row misses ``bias``: -1.6e-5 at ``eps=1e-5`` on rows of 3.1, -0.125 at 1e-12,
+  -inf at 1e-30) or eps is below float32's normal range (1.2e-38; torch rounds it to a
+  float32 subnormal or to 0).
+
+The check does not run on CUDA (reading the statistics back would make every call wait for
+the device) nor inside ``torch.compile``/``torch.export`` graphs (which cannot branch on
+values): there the results are torch's own, deviations included (a documented deviation of
+this backend; on CUDA not measured here). Statistics for ``return_stats`` come from
 ``torch.native_layer_norm`` (the values that produced ``y``), recomputed in float32 where a
-device returns them in a half type.
+device returns them in a half type (rstd with eps added in float64).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Final
 
 import numpy as np
 import torch
 
 from normlab.backward import ROW_CHUNK
-from normlab.spec import Plan
+from normlab.spec import HALF_DTYPES, Plan
 
 __all__ = [
     "from_numpy",
@@ -33,6 +48,10 @@ _TORCH_DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+#: float32's smallest normal number: a smaller eps is rounded (or lost) by torch's float32 math.
+_FLOAT32_TINY: Final = float(np.finfo(np.float32).tiny)
+#: Rows whose largest magnitude exceeds 2^this are divided by a power of two in _wide_rows.
+_SCALE_FROM: Final = 400
 
 
 def layer_norm(
@@ -43,17 +62,32 @@ def layer_norm(
     plan: Plan,
     out: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Normalize each row of the 2-D tensor ``x``; see :mod:`normlab.hookspecs`."""
+    """Normalize each row of the 2-D tensor ``x``; see :mod:`normlab.hookspecs`. On CPU, rows
+    that torch's float32 arithmetic gets wrong are recomputed (see the module docstring)."""
     if weight is not None and bias is not None and weight.dtype != bias.dtype:
         weight, bias = weight.float(), bias.float()  # torch wants one parameter dtype
+    elif weight is None and bias is not None and bias.dtype != x.dtype:
+        weight = torch.ones_like(bias)  # torch's CPU backward of a lone float32 bias raises
     shape = (plan.cols,)
-    if not plan.return_stats:
+    on_cpu = _checked(x)
+    if not plan.return_stats and not on_cpu:
         return torch.nn.functional.layer_norm(x, shape, weight, bias, plan.eps), None, None
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, plan.eps)
     stats_dtype = _TORCH_DTYPES[plan.stats_dtype]
-    if mean.dtype != stats_dtype:  # a half-precision result on some devices: recompute
+    if plan.return_stats and mean.dtype != stats_dtype:  # a half-precision result: recompute
         var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=1, correction=0)
-        rstd = torch.rsqrt(var + plan.eps)
+        rstd = torch.rsqrt(var.double() + plan.eps).to(stats_dtype)
+    if on_cpu:
+        bad = _bad_rows(plan, rstd, centre=True)
+        if bad is not None:
+            mean, rstd = mean.reshape(plan.rows), rstd.reshape(plan.rows)
+            if y.requires_grad:  # y's graph runs through the bad rows' inf/NaN: rebuild it
+                good = _indices(bad.logical_not())
+                kept = torch.native_layer_norm(x[good], shape, weight, bias, plan.eps)[0]
+                y = torch.zeros_like(y).index_put((good,), kept)
+            y, (mean, rstd) = _repair(x, weight, bias, plan, _indices(bad), y, (mean, rstd))
+    if not plan.return_stats:
+        return y, None, None
     return y, mean.reshape(plan.rows), rstd.reshape(plan.rows)
 
 
@@ -65,7 +99,10 @@ def rms_norm(
     plan: Plan,
     out: Any = None,
 ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-    """``torch.nn.functional.rms_norm`` on the 2-D ``x``; rstd recomputed in float32/64."""
+    """``torch.nn.functional.rms_norm`` on the 2-D ``x``; rstd recomputed in float32/64. On
+    CPU its ``rstd`` is checked and the bad rows are recomputed (see the module docstring)."""
+    if _checked(x) and hasattr(torch, "_fused_rms_norm"):  # private: present in pinned torch
+        return _rms_norm_cpu(x, weight, plan)
     if weight is not None and weight.dtype != x.dtype:  # float32 weight, half x: widen x
         y = torch.nn.functional.rms_norm(x.float(), (plan.cols,), weight, plan.eps).to(x.dtype)
     else:
@@ -75,6 +112,98 @@ def rms_norm(
     wide = x.detach().to(_TORCH_DTYPES[plan.stats_dtype])
     rstd = torch.rsqrt(wide.square().mean(dim=1) + plan.eps)
     return y, None, rstd
+
+
+def _rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor | None, plan: Plan
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """``torch._fused_rms_norm``, the function ``torch.nn.functional.rms_norm`` runs on CPU
+    (torch is pinned), which also returns ``rstd`` (float32 for half x); then the check."""
+    y, rstd = torch._fused_rms_norm(x, [plan.cols], weight, plan.eps)
+    rstd = rstd.detach()
+    bad = _bad_rows(plan, rstd, centre=False)
+    if bad is not None:
+        y, (rstd,) = _repair(x, weight, None, plan, _indices(bad), y, (rstd.reshape(plan.rows),))
+    return y, None, rstd.reshape(plan.rows) if plan.return_stats else None
+
+
+def _checked(x: torch.Tensor) -> bool:
+    """Whether the rows check runs: on CPU, outside ``torch.compile``/``torch.export`` tracing
+    (whose graphs cannot branch on values)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | None:
+    """A boolean mask of the rows whose results torch got wrong (see the module docstring), or
+    None when there is none. Rows-sized: one min/max reduction of ``rstd`` when all is well."""
+    limit = math.inf
+    eps_lost = plan.compute_dtype == "float32" and plan.eps < _FLOAT32_TINY
+    if plan.eps > 0 and ((centre and plan.dtype in HALF_DTYPES) or eps_lost):
+        limit = 0.5 / math.sqrt(plan.eps)  # eps dominates the variance beyond this rstd
+    low, high = torch.aminmax(rstd)
+    if low.item() > 0 and high.item() < limit:  # NaN fails both
+        return None
+    return ((rstd > 0) & (rstd < limit)).logical_not().reshape(-1)
+
+
+def _indices(mask: torch.Tensor) -> torch.Tensor:
+    return mask.nonzero().reshape(-1)
+
+
+def _repair(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Plan,
+    bad: torch.Tensor,
+    y: torch.Tensor,
+    stats: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``y`` and ``stats`` (``(mean, rstd)``: LayerNorm; ``(rstd,)``: RMSNorm) with the rows
+    ``bad`` (indices) recomputed by :func:`_wide_rows`; y out of place, so that autograd
+    records the new rows."""
+    centre = len(stats) == 2
+    y_bad, mean_bad, rstd_bad = _wide_rows(x[bad], weight, bias, plan.eps, centre)
+    y = y.index_put((bad,), y_bad.to(y.dtype))
+    dtype = _TORCH_DTYPES[plan.stats_dtype]
+    fixes = (mean_bad, rstd_bad) if centre else (rstd_bad,)
+    patched = [
+        s.to(dtype).index_put((bad,), fix.detach().to(dtype))
+        for s, fix in zip(stats, fixes, strict=True)
+    ]
+    return y, patched
+
+
+def _wide_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    centre: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)`` of a few rows in float64 torch operations (y 2-D; mean, rstd 1-D),
+    with the shifted two-pass mean (centre) or none (RMSNorm). A row whose largest magnitude
+    exceeds 2^400 is divided by a power of two ``s`` first, so that no square overflows:
+    ``(x/s - mean/s) / sqrt(var/s^2 + eps/s^2)`` is the same ``y``. A NaN or Inf in a row makes
+    that row NaN."""
+    x64 = x.to(torch.float64)
+    with torch.no_grad():
+        _, exponent = torch.frexp(x64.abs().amax(dim=1, keepdim=True))
+        s = torch.ldexp(torch.ones_like(x64[:, :1]), (exponent - _SCALE_FROM).clamp(min=0))
+    xs = x64 / s
+    mean = torch.zeros_like(s)
+    if centre:
+        x0 = xs[:, :1]
+        mean = x0 + (xs - x0).mean(dim=1, keepdim=True)
+    d = xs - mean
+    rstd = torch.rsqrt((d * d).mean(dim=1, keepdim=True) + eps / (s * s))
+    # a row of exact zeros stays 0 where eps / s^2 underflows (0 * inf would be NaN)
+    y = d * rstd.clamp(max=torch.finfo(torch.float64).max)
+    if weight is not None:
+        y = y * weight.to(torch.float64)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y, (mean * s).reshape(-1), (rstd / s).reshape(-1)
 
 
 def to_numpy(a: torch.Tensor) -> np.ndarray:
