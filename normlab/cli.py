@@ -1,6 +1,7 @@
 """The ``normlab`` command (also ``python -m normlab``).
 
-``info`` shows every backend and why it can or cannot run here; ``check NAME`` runs the
+``info`` shows every backend and why it can or cannot run here (and the threading layer of
+numba's parallel kernels); ``check NAME`` runs the
 conformance suite against one backend; ``kernels`` compiles the CUDA kernels with NVRTC and
 reports their register use; ``demo`` runs the worked example ``[1, 3, 5, 7]`` and a
 Transformer-sized batch through every available backend.
@@ -112,6 +113,10 @@ def _error(message: str) -> None:
 def _info(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
     """Print the backend table, the plugin failures and the preference in force."""
     _print_backends(console)
+    if any(b.name == "numba" and b.available for b in normlab.list_backends()):
+        from normlab.backends import numba_backend  # starts numba's threads to learn the layer
+
+        console.print(f"Numba threading layer: {numba_backend.threading_layer(start=True)}")
     preference = dispatch.current_preference()
     if preference is not None:
         console.print(f"Preferred backend (use_backend / NORMLAB_BACKEND): {preference}")

@@ -235,3 +235,22 @@ def test_python_m_normlab() -> None:
     info = _python_m_normlab("info")
     assert info.returncode == 0, info.stderr
     assert "normlab backends" in info.stdout
+
+
+def test_info_shows_the_numba_threading_layer(
+    wide: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    numba = pytest.importorskip("numba")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    if numba.get_num_threads() == 1:
+        assert "Numba threading layer: " in out
+        return
+    assert f"Numba threading layer: {numba.threading_layer()}\n" in out  # started by info
+
+
+def test_info_in_a_fresh_process_names_the_layer_requested() -> None:
+    pytest.importorskip("numba")
+    result = _python_m_normlab("info", NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
+    assert result.returncode == 0, result.stderr
+    assert "Numba threading layer: workqueue" in result.stdout

@@ -1,4 +1,5 @@
-"""The Numba backend module, driven directly (a Plan from ``spec.plan``, then its layer_norm).
+"""The Numba backend module, driven directly (a Plan from ``spec.plan``, then its layer_norm or
+rms_norm).
 
 Results are compared with the float64 reference within the tolerance table of
 :mod:`normlab.testing.tolerances`; the half conversions are checked on every bit pattern.
@@ -20,7 +21,7 @@ from normlab import reference, spec  # noqa: E402
 from normlab.backends import half_bits, numba_backend, numba_kernels  # noqa: E402
 from normlab.errors import BackendError  # noqa: E402
 from normlab.testing.cases import numpy_dtype  # noqa: E402
-from normlab.testing.tolerances import assert_close, conditioning  # noqa: E402
+from normlab.testing.tolerances import assert_close, conditioning, y_scale  # noqa: E402
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 Result = tuple[Any, Any, Any]
@@ -45,10 +46,29 @@ def _call(
     eps: float = 1e-5,
     out: Any = None,
     stats: bool = True,
+    op: str = "layer_norm",
 ) -> Result:
-    plan = spec.plan("layer_norm", x, None, weight, bias, eps, None, stats, out)
-    result: Result = numba_backend.layer_norm(x, weight, bias, plan=plan, out=out)
+    plan = spec.plan(op, x, None, weight, bias, eps, None, stats, out)
+    function = numba_backend.layer_norm if op == "layer_norm" else numba_backend.rms_norm
+    result: Result = function(x, weight, bias, plan=plan, out=out)
     return result
+
+
+def _check_rms(x: Any, weight: Any, eps: float, result: Result) -> None:
+    """Assert y and rstd of rms_norm (NumPy) match the reference; mean is None."""
+    y, mean, rstd = result
+    dtype = x.dtype.name
+    want_y, want_rstd = reference.rms_norm(x, None, weight, eps)
+    cond = conditioning(None, want_rstd)
+    z = reference.to_float64(x) * want_rstd
+    scale = y_scale("rms_norm", z, weight)
+    assert y.dtype == x.dtype and y.shape == x.shape and mean is None
+    assert_close(y, want_y, dtype, cond, what="y", cols=x.shape[1], scale=scale)
+    assert rstd.dtype == (np.float64 if dtype == "float64" else np.float32)
+    assert_close(
+        rstd, want_rstd[:, 0], dtype, cond[:, 0], what="rstd", cols=x.shape[1],
+        scale=want_rstd[:, 0],
+    )  # fmt: skip
 
 
 def _check(x: Any, weight: Any, bias: Any, eps: float, result: Result) -> None:
@@ -398,3 +418,225 @@ def test_kernels_keep_nan_semantics_and_cache() -> None:
     for kernel in (numba_kernels.layer_norm_rows, numba_kernels.layer_norm_rows_parallel):
         assert isinstance(kernel._cache, numba.core.caching.FunctionCache)  # cache=True
         assert kernel.targetoptions["error_model"] == "numpy"
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm: the same kernels without the centring
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference(dtype: str, weighted: bool) -> None:
+    x = _data((37, 300), dtype, loc=0.5)
+    weight = _data((300,), dtype, seed=1) if weighted else None
+    _check_rms(x, weight, 1e-5, _call(x, weight, op="rms_norm"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_rms_norm_layouts_out_and_in_place_give_the_same_bits(dtype: str) -> None:
+    x = _data((23, 130), dtype)
+    weight = _data((130,), dtype, seed=1)
+    y, _, rstd = _call(x, weight, op="rms_norm")
+    for layout, view in _layouts(x).items():
+        if layout.endswith("broadcast"):
+            continue  # other values
+        y2, _, rstd2 = _call(view, weight, op="rms_norm")
+        assert y2.tobytes() == y.tobytes() and rstd2.tobytes() == rstd.tobytes(), layout
+    out = np.empty_like(x)[::-1, ::-1]
+    assert _call(x, weight, out=out, op="rms_norm")[0] is out
+    assert np.ascontiguousarray(out).tobytes() == y.tobytes()
+    inplace = x.copy()
+    assert _call(inplace, weight, out=inplace, op="rms_norm")[0] is inplace
+    assert inplace.tobytes() == y.tobytes()
+    y3, mean3, rstd3 = _call(x, weight, op="rms_norm", stats=False)
+    assert mean3 is None and rstd3 is None and y3.tobytes() == y.tobytes()
+
+
+def test_rms_norm_of_zero_rows_is_zero() -> None:
+    x = np.zeros((3, 40), np.float16)
+    y, _, rstd = _call(x, eps=1e-12, op="rms_norm")
+    assert not y.astype(np.float64).any() and np.all(rstd == np.float32(1e6))
+
+
+def test_rms_norm_torch_tensors_keep_the_graph(torch: Any) -> None:
+    x = torch.randn(5, 24, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    y = normlab.rms_norm(x, weight=w, eps=1e-6, backend="numba")
+    assert y.grad_fn is not None
+    want = torch.nn.functional.rms_norm(x, (24,), w, 1e-6)
+    assert torch.allclose(y, want, atol=1e-12)
+    dy = torch.randn(5, 24, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, w), dy)
+    expected = torch.autograd.grad(want, (x, w), dy)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.allclose(g, e, atol=1e-10)
+    with torch.no_grad():
+        t = torch.randn(6, 10, dtype=torch.bfloat16)
+        y, _, rstd = _call(t, op="rms_norm")
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16 and rstd.shape == (6,)
+    _check_rms(_numpy(t), None, 1e-5, (_numpy(y), None, rstd.numpy()))
+
+
+# --------------------------------------------------------------------------------------------
+# The float32 range: sums that overflow, rstd beyond float32
+
+
+def _long_cols() -> int:
+    """A row length that takes the segmented long-row form in float32, with a partial segment."""
+    return numba_kernels.LONG_ROW_BYTES // 4 + numba_kernels.SEGMENT // 2 + 3
+
+
+@pytest.mark.parametrize("cols", [4, 1001, "long"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("spread", [1e20, 1e38, 3.4e38])
+def test_float32_rows_of_huge_spread(spread: float, op: str, cols: Any) -> None:
+    """The squares (and, at 3.4e38, the differences) overflow float32: such a row is redone in
+    float64, and normalizes to +-1 as the float64 reference does."""
+    n = _long_cols() if cols == "long" else cols
+    x = np.tile(np.array([spread, -spread], np.float32), (2, n // 2))
+    normal = _data((1, x.shape[1]), "float32")
+    batch = np.concatenate([x, normal])
+    y, _, rstd = _call(batch, op=op)
+    np.testing.assert_allclose(y[:2], np.tile([1.0, -1.0], (2, n // 2)), rtol=1e-6)
+    np.testing.assert_allclose(rstd[:2], np.float32(1 / spread), rtol=1e-6)
+    assert y[2:].tobytes() == _call(normal, op=op)[0].tobytes()  # the other rows: unchanged
+
+
+@pytest.mark.parametrize("cols", [4, "long"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_constant_rows_with_a_tiny_positive_eps_give_bias(dtype: str, cols: Any) -> None:
+    """eps = 1e-80 > 0: rstd = 1e40 exceeds float32, and (x - mean) * rstd must be 0, not
+    0 * inf = NaN. rstd itself is reported as float32's rounding of 1e40: inf."""
+    n = _long_cols() if cols == "long" else cols
+    x = np.full((2, n), 3.0).astype(_dtype(dtype))
+    bias = _data((n,), dtype, seed=2)
+    y, mean, rstd = _call(x, None, bias, eps=1e-80)
+    assert y.tobytes() == np.broadcast_to(bias, y.shape).tobytes()
+    assert np.all(mean == 3.0) and np.all(rstd == np.inf)
+    y, _, _ = _call(np.zeros_like(x), eps=1e-80, op="rms_norm")
+    assert not np.isnan(y.astype(np.float64)).any() and not y.astype(np.float64).any()
+
+
+@pytest.mark.parametrize("cols", [6, "long"])
+def test_in_place_with_wide_rows_equals_out_of_place(cols: Any) -> None:
+    """Wide rows are redone after the others: in place, only they, from x as it was."""
+    n = _long_cols() if cols == "long" else cols
+    x = _data((4, n), "float32", seed=9)
+    x[1] = np.resize(np.array([3e38, -3e38], np.float32), n)
+    x[3, 0] = np.nan
+    weight = _data((n,), "float32", seed=1)
+    weight[2] = np.nan  # one NaN column in every row, and no more
+    expected = _call(x, weight)
+    y = x.copy()
+    result = _call(y, weight, out=y)
+    assert result[0] is y and y.tobytes() == expected[0].tobytes()
+    assert np.isnan(y[[0, 2]]).sum() == 2 and np.isnan(y[3]).all()
+    assert result[1].tobytes() == expected[1].tobytes()
+
+
+def test_a_tiny_eps_on_a_varying_row_is_unaffected() -> None:
+    x = _data((4, 64), "float32", loc=2.0)
+    _check(x, None, None, 1e-80, _call(x, eps=1e-80))
+
+
+# --------------------------------------------------------------------------------------------
+# Long rows: segment moments merged (Chan), x read twice from memory, threads share a row
+
+
+def test_long_row_threshold() -> None:
+    """Long means more compute-dtype bytes than LONG_ROW_BYTES, whole segments of blocks."""
+    assert numba_kernels.SEGMENT % numba_kernels.BLOCK == 0
+    assert numba_kernels.LONG_ROW_BYTES // 4 > numba_kernels.SEGMENT
+
+
+def test_long_row_with_a_large_offset_is_exact() -> None:
+    """1e4 + N(0, 1) over 2^22 float32 columns: a one-pass E[x²]-E[x]² would lose every digit."""
+    x = _data((1, 1 << 22), "float64", seed=5, loc=1e4).astype(np.float32)
+    weight, bias = _data((1 << 22,), "float32", seed=1), _data((1 << 22,), "float32", seed=2)
+    _check(x, weight, bias, 1e-5, _call(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_rows_match_reference(dtype: str) -> None:
+    cols = _long_cols() if dtype != "float64" else numba_kernels.LONG_ROW_BYTES // 8 + 1000
+    x = _data((3, cols), dtype, seed=6, loc=100.0)
+    x[1] = x[1, 0]  # a constant row: exactly bias
+    weight, bias = _data((cols,), dtype, seed=1), _data((cols,), dtype, seed=2)
+    result = _call(x, weight, bias)
+    _check(x, weight, bias, 1e-5, result)
+    assert result[0][1].tobytes() == bias.tobytes()
+    _check_rms(x, weight, 1e-5, _call(x, weight, op="rms_norm"))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape", [(1, 1 << 20), (3, 3 << 16)], ids=["1-row", "3-rows"])
+def test_long_rows_do_not_depend_on_the_thread_count(
+    threads: Callable[[int], None], shape: tuple[int, int], op: str
+) -> None:
+    """One thread (the serial driver) and two (segments shared out) give the same bits; and a
+    row alone gives the bits it gets in the batch."""
+    x = _data(shape, "float32", seed=7, loc=-30.0)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(_call(x, op=op))
+    (y1, _, r1), (y2, _, r2) = results
+    assert y1.tobytes() == y2.tobytes() and r1.tobytes() == r2.tobytes()
+    alone = _call(x[-1:], op=op)
+    assert alone[0].tobytes() == y2[-1:].tobytes() and alone[2][0] == r2[-1]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_long_rows_strided_out_and_in_place(dtype: str) -> None:
+    cols = _long_cols()
+    x = _data((2, cols), dtype, seed=8, loc=3.0)
+    weight = _data((cols,), dtype, seed=1)
+    """Every layout reads the same values; y is written by code specialised per layout (so the
+    bits may differ where the compiler vectorises one and not another, as with bounds checks)."""
+    before = x.tobytes()
+    y, mean, rstd = _call(x, weight)
+    _check(x, weight, None, 1e-5, (y, mean, rstd))
+    out = np.empty_like(x)[:, ::-1]
+    inplace = x.copy()
+    results = {layout: _call(_layouts(x)[layout], weight) for layout in ("reversed", "fortran")}
+    results["out"] = _call(x, weight, out=out)
+    results["in place"] = _call(inplace, weight, out=inplace)
+    assert results["out"][0] is out and results["in place"][0] is inplace
+    for layout, result in results.items():
+        _check(x, weight, None, 1e-5, result)
+        same_stats = result[1].tobytes() == mean.tobytes() and result[2].tobytes() == rstd.tobytes()
+        assert same_stats, layout
+    assert x.tobytes() == before  # only the copy was normalized in place
+
+
+# --------------------------------------------------------------------------------------------
+# The pool: one parallel call at a time, none in a forked child
+
+
+def test_a_second_caller_runs_serially_while_the_pool_is_held() -> None:
+    pool = numba_backend.Pool()
+    if numba.get_num_threads() < 2:
+        pytest.skip("one numba thread: every call is serial")
+    assert pool.acquire(numba_backend.SERIAL_ELEMENTS - 1) == 1
+    held = pool.acquire(numba_backend.SERIAL_ELEMENTS)
+    assert held == numba.get_num_threads()
+    assert pool.acquire(1 << 30) == 1  # taken: serial kernels
+    pool.release(held)
+    again = pool.acquire(1 << 30)
+    assert again > 1
+    pool.release(again)
+
+
+def test_a_forked_child_of_a_parallel_parent_stays_serial() -> None:
+    pool = numba_backend.Pool()
+    pool.after_fork_in_child()  # the parent never went parallel: the child may
+    held = pool.acquire(1 << 30)
+    assert held == numba.get_num_threads()
+    pool.release(held)
+    pool.after_fork_in_child()  # now it had
+    assert pool.acquire(1 << 30) == 1
+
+
+def test_threading_layer_after_a_parallel_call() -> None:
+    layer = numba_backend.threading_layer(start=True)
+    assert layer in ("omp", "tbb", "workqueue") or numba.get_num_threads() == 1

@@ -1,12 +1,18 @@
 """The Numba backend: fused, parallel JIT kernels for NumPy arrays (and CPU tensors, zero-copy).
 
-The kernels live in :mod:`normlab.backends.numba_kernels`; this module turns a call into kernel
-arguments. ``x`` and ``out`` are passed as they are, with any strides (no copy); float16 and
-bfloat16 arrays as views of their bit patterns (``int16`` and ``uint16``). Weight and bias are
-converted to the compute dtype (float32, or float64 for float64 x): two arrays of ``cols``
-elements. An ``out`` that is ``x``'s very memory is normalized in place. Inputs of fewer than
-:data:`SERIAL_ELEMENTS` elements run on the calling thread, larger ones on
-``numba.get_num_threads()`` threads, a contiguous range of rows each.
+``layer_norm`` and ``rms_norm`` run the same kernels (:mod:`normlab.backends.numba_kernels`),
+RMSNorm without the centring; this module turns a call into kernel arguments. ``x`` and ``out``
+are passed as they are, with any strides (no copy); float16 and bfloat16 arrays as views of
+their bit patterns (``int16`` and ``uint16``). Weight and bias are converted to the compute
+dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements. An ``out`` that is
+``x``'s very memory is normalized in place. Rows of more than
+:data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` take the segmented one-pass form.
+
+Threads (:class:`Pool`): inputs of fewer than :data:`SERIAL_ELEMENTS` elements run on the
+calling thread, larger ones on ``numba.get_num_threads()`` threads (a contiguous range of rows,
+or of row segments for long rows, each) — unless another thread is inside the parallel kernels
+at that moment, or this process is a child forked after its parent went parallel: then on the
+calling thread. The results are the same bits either way.
 
 Torch CPU tensors (served only when the caller names ``backend="numba"``) are read and written
 through ``Tensor.numpy()`` views of the same memory; the results are tensors. The kernels record
@@ -18,22 +24,34 @@ call with ``out=`` is refused (:class:`BackendError`).
 from __future__ import annotations
 
 import functools
+import os
+import threading
 from typing import Any, Final
 
 import numba
 import numpy as np
 
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
-from normlab.backends.numba_kernels import layer_norm_rows, layer_norm_rows_parallel
+from normlab.backends.numba_kernels import (
+    LONG_ROW_BYTES,
+    layer_norm_rows,
+    layer_norm_rows_parallel,
+    long_rows,
+    long_rows_parallel,
+)
 from normlab.errors import BackendError
 from normlab.spec import Plan
 
 __all__ = [
+    "POOL",
     "SERIAL_ELEMENTS",
+    "Pool",
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
+    "rms_norm",
     "rms_norm_backward",
+    "threading_layer",
     "to_numpy",
 ]
 
@@ -49,18 +67,109 @@ _CACHED_COLS: Final = 1 << 16
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
 
 
+class Pool:
+    """Who may start numba's parallel kernels: at most one call at a time, never a forked child.
+
+    :meth:`acquire` answers the number of threads a call runs on: 1 (the serial kernels, on the
+    calling thread) or ``numba.get_num_threads()``, in which case the call holds the pool until
+    :meth:`release`. It answers 1 for small inputs, while another thread holds the pool (the
+    ``workqueue`` layer aborts the process when two threads enter parallel kernels at once;
+    ``omp`` and ``tbb`` accept it but would run callers x threads on the cores), and in a child
+    forked after this process started parallel kernels (GNU OpenMP kills such a child, and a
+    thread pool does not survive ``fork()`` whatever the layer). Results do not depend on it:
+    the kernels give the same bits on any number of threads.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False  # this process (or the parent it was forked from) went parallel
+        self._forked = False  # a child forked after that: serial kernels only
+
+    def acquire(self, elements: int) -> int:
+        """The threads a call of ``elements`` elements runs on; hold the pool when above 1."""
+        if elements < SERIAL_ELEMENTS or self._forked:
+            return 1
+        if not self._lock.acquire(blocking=False):
+            return 1
+        threads = numba.get_num_threads()
+        if threads == 1:
+            self._lock.release()
+            return 1
+        self._started = True
+        return int(threads)
+
+    def release(self, threads: int) -> None:
+        """Give the pool back after a call that :meth:`acquire` gave ``threads``."""
+        if threads > 1:
+            self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child: serial kernels only if the parent had started the thread pool."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        self._forked = self._forked or self._started
+
+
+#: The one pool of this process (numba has one set of worker threads per process).
+POOL: Final = Pool()
+os.register_at_fork(after_in_child=POOL.after_fork_in_child)
+
+
+def threading_layer(start: bool = False) -> str:
+    """The threading layer of numba's parallel kernels: ``"omp"``, ``"tbb"`` or ``"workqueue"``.
+
+    Known once a parallel kernel has run in this process; ``start=True`` runs a tiny one first
+    if none has (unless this is a forked child, which stays serial). Before that, the answer
+    names the layer requested (``NUMBA_THREADING_LAYER``, "default" if unset).
+    """
+    if start:
+        tiny = np.zeros((2, 1), np.float32)
+        threads = POOL.acquire(SERIAL_ELEMENTS)
+        try:
+            if threads > 1:
+                w, b = _constant(1, np.float32, 1.0), _constant(1, np.float32, 0.0)
+                empty = _no_stats(np.float32)
+                layer_norm_rows_parallel(tiny, None, w, b, 1e-5, empty, empty, True, 2)
+        finally:
+            POOL.release(threads)
+    from numba.np.ufunc import parallel
+
+    try:
+        return str(parallel.threading_layer())  # type: ignore[no-untyped-call]
+    except ValueError:  # no parallel kernel has run in this process
+        requested = os.environ.get("NUMBA_THREADING_LAYER", "default")
+        return f"not started (requested: {requested})"
+
+
 def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> tuple[Any, Any, Any]:
     """Normalize each row of the 2-D ``x`` (any strides); see :mod:`normlab.hookspecs`.
 
     ``x`` is a NumPy array, or a CPU torch tensor when the caller named this backend; ``y``,
     ``mean`` and ``rstd`` are of the same family. ``out`` may be ``x``'s very memory.
     """
+    return _normalize(x, weight, bias, plan, out, centre=True)
+
+
+def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
+    """RMS-normalize each row of the 2-D ``x``: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    As :func:`layer_norm` (same kernels, without the centring); returns ``(y, None, rstd)``.
+    """
+    y, _, rstd = _normalize(x, weight, None, plan, out, centre=False)
+    return y, None, rstd
+
+
+def _normalize(
+    x: Any, weight: Any, bias: Any, plan: Plan, out: Any, centre: bool
+) -> tuple[Any, Any, Any]:
+    """Both ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
     compute = np.float64 if plan.dtype == "float64" else np.float32
     torch_family = plan.family == "torch"
     if torch_family and plan.requires_grad and out is None:  # inside autograd: custom ops
-        from normlab.torch import layer_norm_with_autograd
+        from normlab.torch import layer_norm_with_autograd, rms_norm_with_autograd
 
-        return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="numba")
+        if centre:
+            return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="numba")
+        return rms_norm_with_autograd(x, weight, None, plan=plan, backend="numba")
     if torch_family:
         _refuse_grad(x, weight, bias, out)
         x_np = _tensor_as_numpy(x)
@@ -72,27 +181,38 @@ def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> tuple
         w = _parameter(weight, compute, plan.cols, 1.0)
         b = _parameter(bias, compute, plan.cols, 0.0)
     stats = np.float64 if plan.stats_dtype == "float64" else np.float32
-    if plan.return_stats:
-        mean, rstd = np.empty(plan.rows, stats), np.empty(plan.rows, stats)
-    else:
-        mean = rstd = _no_stats(stats)
+    none = _no_stats(stats)
+    mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
+    rstd = np.empty(plan.rows, stats) if plan.return_stats else none
     y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
-    x_bits = _as_bits(x_np, plan.dtype)
-    # numba.get_num_threads() costs microseconds: asked only when the input is large.
-    threads = 1 if plan.rows * plan.cols < SERIAL_ELEMENTS else numba.get_num_threads()
-    if threads > 1 and plan.rows > 1:
-        layer_norm_rows_parallel(x_bits, y_bits, w, b, plan.eps, mean, rstd, threads)
-    else:
-        layer_norm_rows(x_bits, y_bits, w, b, plan.eps, mean, rstd, 0, plan.rows)
+    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
+    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
+    # one short row runs on one thread: it does not take the pool from another caller
+    threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
+    try:
+        if long and threads > 1:
+            long_rows_parallel(*args, threads)
+        elif long:
+            long_rows(*args)
+        elif threads > 1:
+            layer_norm_rows_parallel(*args, threads)
+        else:
+            layer_norm_rows(*args, 0, plan.rows)
+    finally:
+        POOL.release(threads)
+    mean_out = mean if plan.return_stats and centre else None
+    rstd_out = rstd if plan.return_stats else None
     if not torch_family:
-        return (y_np, mean, rstd) if plan.return_stats else (y_np, None, None)
+        return y_np, mean_out, rstd_out
     import torch
 
     y = out if out is not None else _numpy_as_tensor(y_np, plan.dtype)
-    if not plan.return_stats:
-        return y, None, None
-    return y, torch.from_numpy(mean), torch.from_numpy(rstd)
+    return (
+        y,
+        None if mean_out is None else torch.from_numpy(mean_out),
+        None if rstd_out is None else torch.from_numpy(rstd_out),
+    )
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:

@@ -16,7 +16,9 @@ dweight and dbias are reduced without atomics or locks: the rows are cut into ch
 :data:`~normlab.backward.ROW_CHUNK`; each chunk's column sums of ``dy * x̂`` and ``dy`` (products
 in the compute dtype, sums in float64) go to its own row of a partial-sums array, and the chunks
 are added in chunk order at the end. Threads take whole chunks, so the result does not depend on
-the number of threads, bit for bit.
+the number of threads, bit for bit; the threads come from the forward's pool
+(:class:`normlab.backends.numba_backend.Pool`: one parallel caller at a time, none in a forked
+child).
 
 CPU torch tensors (when the caller names ``backend="numba"``) are read through ``Tensor.numpy()``
 views, as in :mod:`normlab.backends.numba_backend`; tensors that require grad go through the
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -210,11 +211,14 @@ def _backward(
     dw_parts = np.empty((chunks, cols))
     db_parts = np.empty((chunks, cols))
     args = (nb._as_bits(dy, plan.dtype), nb._as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
-    threads = 1 if rows * cols < nb.SERIAL_ELEMENTS else min(numba.get_num_threads(), chunks)
-    if threads > 1:
-        backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, threads)
-    else:
-        backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
+    held = nb.POOL.acquire(rows * cols)
+    try:
+        if min(held, chunks) > 1:
+            backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, min(held, chunks))
+        else:
+            backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
+    finally:
+        nb.POOL.release(held)
     dweight = dbias = None
     if "weight" in needs:
         dweight = np.empty(cols, compute)

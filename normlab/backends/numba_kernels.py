@@ -1,5 +1,8 @@
-"""The Numba LayerNorm kernels: each row read from memory once and swept three times in cache,
-rows in parallel with ``prange``.
+"""The Numba LayerNorm and RMSNorm kernels: rows in parallel with ``prange``; short rows read
+from memory once and swept three times in cache, long rows read twice (segments merged).
+
+One set of kernels serves both ops: ``centre`` (LayerNorm) subtracts the row mean; without it
+(RMSNorm) the mean is 0, and ``rstd = 1 / sqrt(mean(x^2) + eps)``; the bias is zeros.
 
 Element types and what the kernels compute in (the *compute dtype*, also the dtype of the
 weight and bias arrays they are given):
@@ -14,19 +17,27 @@ bfloat16       uint16 (the bit patterns)  float32
 =============  =========================  =============
 
 Two integer types keep the two half formats apart, so Numba's type dispatch picks the
-conversion (:mod:`normlab.backends.half_bits`) at compile time. A row that is not contiguous
-compute-dtype data (half bits, or any stride but one element) is first copied, converted, into
-a scratch row of the thread; so the sweeps always run over contiguous memory, and a half value
-is converted once each way. Row sums are blocked: each block of :data:`BLOCK` elements is summed
-in the compute dtype (vectorised, a few terms per SIMD lane), and block sums are added in
-float64; the error of a float32 sum stays a few float32 roundoffs, whatever the row length.
-Statistics and ``rstd`` are float64 scalars.
+conversion (:mod:`normlab.backends.half_bits`) at compile time. A row (or, for long rows, a
+segment) that is not contiguous compute-dtype data is first copied, converted, into a scratch
+array of the thread; so the sums always run over contiguous memory. Row sums are blocked: each
+block of :data:`BLOCK` elements is summed in the compute dtype (vectorised, a few terms per SIMD
+lane), and block sums are added in float64; the error of a float32 sum stays a few float32
+roundoffs, whatever the row length. Statistics and ``rstd`` are float64 scalars.
+
+Long rows (more than :data:`LONG_ROW_BYTES` of compute dtype) are cut into segments of
+:data:`SEGMENT` elements: each segment's (mean, M2) by the shifted two-pass while it is in L1,
+merged in segment order with Chan's formula, then y in one more pass: x is read from memory
+twice, and the segments of one row are shared out between threads. Never E[x²]-E[x]².
+
+float32 range: a row whose float32 block sums overflow (values beyond about 1.8e19), or whose
+rstd exceeds float32 (eps = 1e-80 on a constant row), is redone in float64 (``_wide_stats``,
+``_write_wide``); other rows never pay for it.
 
 Fast-math flags are ``reassoc`` (to vectorise the sums), ``contract`` (FMA) and ``nsz``: none of
 them assumes away NaN or Inf. Subtractions that must stay exact as written go through
 :func:`_sub`, compiled without flags, so that ``(x - mean_hi) - mean_lo`` is never reassociated
-into ``x - (mean_hi + mean_lo)``. A row is reduced by one thread in a fixed order, so its result
-does not depend on the other rows or on the number of threads.
+into ``x - (mean_hi + mean_lo)``. A row is reduced in a fixed order (segments merged in order on
+one thread), so its result does not depend on the other rows or on the number of threads.
 """
 
 from __future__ import annotations
@@ -44,12 +55,34 @@ from normlab.backends.half_bits import (
     float32_to_float16,
 )
 
-__all__ = ["BLOCK", "FASTMATH", "layer_norm_rows", "layer_norm_rows_parallel"]
+__all__ = [
+    "BLOCK",
+    "FASTMATH",
+    "LONG_ROW_BYTES",
+    "SEGMENT",
+    "layer_norm_rows",
+    "layer_norm_rows_parallel",
+    "long_rows",
+    "long_rows_parallel",
+    "merge_segments",
+    "segment_moments",
+    "write_segments",
+]
 
 #: Fast-math flags that keep IEEE NaN and Inf behaviour (no ``nnan``, ``ninf``, ``afn``).
 FASTMATH: Final = {"reassoc", "contract", "nsz"}
 #: Elements per block of a row sum (summed in the compute dtype, then added in float64).
 BLOCK: Final = 256
+#: Rows of more compute-dtype bytes than this take the segmented one-pass form (long_rows):
+#: 2^18 float32 or 2^17 float64 elements. Up to it, a row's three sweeps run in a core's L2
+#: (1-2 MiB on current x86 server cores; the row must share it with y), and the three-sweep
+#: form is the faster; beyond, its second and third sweeps come from L3 or memory. Measured
+#: on a 2 MiB-L2 core (one thread, float32, docs/numba.md): even at 2^18 elements, 7-13% in
+#: favour of the segmented form from 2^19 on, 12-30% in favour of the three sweeps below 2^18.
+LONG_ROW_BYTES: Final = 1 << 20
+#: Elements per segment of a long row (a multiple of BLOCK): 16 KiB of float32, 32 KiB of
+#: float64, so that a segment's second sweep hits L1.
+SEGMENT: Final = 4096
 
 
 def source_row(xr: Any, scratch: Any) -> Any:
@@ -189,70 +222,291 @@ def _sub(a: float, b: float) -> float:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
-def _normalize_row(src: Any, yr: Any, w: Any, b: Any, eps: float) -> tuple[float, float]:
-    # Shifted two-pass LayerNorm of one row, n = len(src):
-    #   mean = x0 + sum(x - x0) / n                      x0 = src[0]: constant rows stay exact
-    #   var  = sum((x - mean)^2) / n                     population variance, never E[x²]-E[x]²
-    #   rstd = 1 / sqrt(var + eps)                       eps added in float64
-    #   y    = (x - mean) * rstd * w + b                 rounded once to y's element type
+def _moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
+    # Shifted two-pass moments of a contiguous span, n = len(src) >= 1:
+    #   mean = x0 + sum(x - x0) / n      x0 = src[0]: a constant span stays exact (LayerNorm)
+    #   mean = 0                         without centring (RMSNorm)
+    #   m2   = sum((x - mean)^2)         never E[x²]-E[x]²
     # mean is split into mean_hi + mean_lo (compute dtype) so that x - mean is accurate in float32.
-    # src: the row of x, contiguous, in the compute dtype (see source_row).
-    # yr: the row of y to write (elements as in the module table; any stride); may be the memory
-    #     src was read from (in place): each element is read before it is written.
-    # w, b: weight and bias (compute dtype, contiguous, length n; ones and zeros when absent).
-    # eps: float64. Returns (mean, rstd) as float64.
+    # src: compute dtype, contiguous (see source_row). w: any compute-dtype array (for its dtype).
+    # Returns (mean, m2) as float64; m2 is inf or NaN when a float32 block sum overflowed.
     n = src.shape[0]
-    x0 = src[0]
-    shift = 0.0
-    for start in range(0, n, BLOCK):
-        block = src[start : start + BLOCK]
-        part = narrow(0.0, w)
-        for j in range(block.shape[0]):
-            part += _sub(block[j], x0)
-        shift += part
-    mean = x0 + shift / n
+    mean = 0.0
+    if centre:
+        x0 = src[0]
+        shift = 0.0
+        for start in range(0, n, BLOCK):
+            block = src[start : start + BLOCK]
+            part = narrow(0.0, w)
+            for j in range(block.shape[0]):
+                part += _sub(block[j], x0)
+            shift += part
+        mean = x0 + shift / n
     mean_hi = narrow(mean, w)
     mean_lo = narrow(mean - mean_hi, w)
-    squares = 0.0
+    m2 = 0.0
     for start in range(0, n, BLOCK):
         block = src[start : start + BLOCK]
         part = narrow(0.0, w)
         for j in range(block.shape[0]):
             d = _sub(_sub(block[j], mean_hi), mean_lo)
             part += d * d
-        squares += part
-    rstd = 1.0 / np.sqrt(squares / n + eps)
-    scale = narrow(rstd, w)
+        m2 += part
+    return mean, m2
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
+def _wide_moments(xr: Any, centre: bool) -> tuple[float, float]:
+    # _moments of a whole row in float64 throughout, for rows whose compute-dtype sums overflow
+    # (float32 rows beyond about 1.8e19). xr: a row of x, any element type and stride.
+    n = xr.shape[0]
+    mean = 0.0
+    if centre:
+        x0 = np.float64(load(xr[0]))
+        shift = 0.0
+        for j in range(n):
+            shift += np.float64(load(xr[j])) - x0
+        mean = x0 + shift / n
+    m2 = 0.0
     for j in range(n):
-        yr[j] = store(_sub(_sub(src[j], mean_hi), mean_lo) * scale * w[j] + b[j], yr)
-    return mean, rstd
+        d = np.float64(load(xr[j])) - mean
+        m2 += d * d
+    return mean, m2
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _wide_stats(xr: Any, mean: float, m2: float, eps: float, centre: bool) -> tuple[float, float]:
+    # A row's (mean, rstd) when its compute-dtype statistics do not hold (the caller's test,
+    # `wide`: m2 is inf or NaN, or rstd is beyond the compute dtype): an overflowed m2 is
+    # recomputed from xr in float64 (a NaN or Inf in the row gives NaN again); y is then written
+    # in float64 (_write_wide), so that eps = 1e-80 on a constant float32 row gives
+    # (x - mean) * rstd = 0 * 1e40 = 0, never 0 * inf = NaN. Not inlined: rare.
+    if not np.isfinite(m2):
+        mean, m2 = _wide_moments(xr, centre)
+    return mean, 1.0 / np.sqrt(m2 / xr.shape[0] + eps)
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
+def _write(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
+    # y = (x - mean) * rstd * w + b over a span, in the compute dtype, rounded once to y's type.
+    # xr: the span of x (any element type, any stride). yr: the span of y to write; may be the
+    # memory xr is read from (in place): each element is read before it is written.
+    # w, b: the span's weight and bias (compute dtype, contiguous). mean, rstd: float64.
+    mean_hi = narrow(mean, w)
+    mean_lo = narrow(mean - mean_hi, w)
+    scale = narrow(rstd, w)
+    for j in range(xr.shape[0]):
+        yr[j] = store(_sub(_sub(load(xr[j]), mean_hi), mean_lo) * scale * w[j] + b[j], yr)
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _write_wide(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
+    # _write in float64, for a span whose row is wide (see _wide_stats): y is rounded to the
+    # compute dtype and then to y's type. Not inlined: rare.
+    for j in range(xr.shape[0]):
+        yr[j] = store((np.float64(load(xr[j])) - mean) * rstd * w[j] + b[j], yr)
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def _wide_rows(
+    x: Any,
+    y: Any,
+    w: Any,
+    b: Any,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    start: int,
+    wide: Any,
+) -> None:
+    # Rows start + k for which wide[k] is set (layer_norm_rows left them unwritten, so x is
+    # intact even in place): statistics redone by _wide_stats, y by _write_wide. Other
+    # arguments as in layer_norm_rows.
+    scratch = np.empty(x.shape[1], w.dtype)
+    for k in range(wide.shape[0]):
+        if not wide[k]:
+            continue
+        i = start + k
+        src = source_row(x[i], scratch)
+        m, m2 = _moments(src, w, centre)
+        m, r = _wide_stats(src, m, m2, eps, centre)
+        _write_wide(src, out_row(x, y, i), w, b, m, r)
+        if mean.shape[0] != 0:
+            mean[i] = m
+        if rstd.shape[0] != 0:
+            rstd[i] = r
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def layer_norm_rows(
-    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, start: int, stop: int
+    x: Any,
+    y: Any,
+    w: Any,
+    b: Any,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    start: int,
+    stop: int,
 ) -> None:
-    # LayerNorm of rows start..stop-1 of x, on this thread (see _normalize_row for the formula).
+    # LayerNorm (centre) or RMSNorm of rows start..stop-1 of x, on this thread, three sweeps of
+    # each row in cache: _moments (two), then _write. rstd = 1 / sqrt(m2 / n + eps).
     # x: 2-D (rows, cols), any strides (negative and zero included); elements as in the table.
     # y: 2-D like x (any strides), or None to normalize x in place.
-    # w, b: compute dtype, contiguous, length cols. eps: float64.
-    # mean, rstd: 1-D (rows,) float32 or float64 to receive the statistics, or both empty.
+    # w, b: compute dtype, contiguous, length cols (b: zeros for RMSNorm). eps: float64.
+    # mean, rstd: 1-D (rows,) float32 or float64 to receive the statistics, or empty (none).
     # A row that is not contiguous compute-dtype data is first copied into one scratch row.
+    # A wide row (see _wide_stats) is left unwritten here (an empty span, not a branch: a call
+    # or a branch around _write in this loop costs 5-40% per row) and redone by _wide_rows.
     scratch = np.empty(x.shape[1], w.dtype)
+    wide = np.empty(max(stop - start, 0), np.bool_)
+    any_wide = False
     for i in range(start, stop):
         src = source_row(x[i], scratch)
-        m, r = _normalize_row(src, out_row(x, y, i), w, b, eps)
+        m, m2 = _moments(src, w, centre)
+        r = 1.0 / np.sqrt(m2 / src.shape[0] + eps)  # eps added in float64
+        ok = np.isfinite(m2) and np.isfinite(narrow(r, w))
+        wide[i - start] = not ok
+        any_wide |= not ok
+        k = src.shape[0] if ok else 0
+        _write(src[:k], out_row(x, y, i)[:k], w, b, m, r)
         if mean.shape[0] != 0:
             mean[i] = m
+        if rstd.shape[0] != 0:
             rstd[i] = r
+    if any_wide:
+        _wide_rows(x, y, w, b, eps, mean, rstd, centre, start, wide)
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def layer_norm_rows_parallel(
-    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, chunks: int
+    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
 ) -> None:
     # layer_norm_rows over all rows, split into `chunks` equal ranges that run in parallel on
-    # numba's threads (chunks: numba.get_num_threads() at call time; other arguments as there).
+    # numba's threads (chunks: the thread count at call time; other arguments as there).
     rows = x.shape[0]
     for c in prange(chunks):
-        layer_norm_rows(x, y, w, b, eps, mean, rstd, rows * c // chunks, rows * (c + 1) // chunks)
+        start, stop = rows * c // chunks, rows * (c + 1) // chunks
+        layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
+
+
+# --------------------------------------------------------------------------------------------
+# Long rows: one pass over memory for the statistics, one for y. A row is cut into segments of
+# SEGMENT elements; the work items are the segments of all rows (item k: row k // S, segment
+# k % S, S segments per row), so that threads share out one long row as well as many.
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def segment_moments(x: Any, w: Any, centre: bool, moments: Any, first: int, last: int) -> None:
+    # _moments of each segment of items first..last-1: moments[row, segment] = (mean, m2).
+    # The segment is read from memory once and swept a second time in L1 (16-32 KiB).
+    # x: as in layer_norm_rows. moments: (rows, S, 2) float64.
+    cols = x.shape[1]
+    segments = moments.shape[1]
+    scratch = np.empty(min(cols, SEGMENT), w.dtype)
+    for k in range(first, last):
+        i, s = k // segments, k % segments
+        a = s * SEGMENT
+        e = min(cols, a + SEGMENT)
+        src = source_row(x[i, a:e], scratch[: e - a])
+        m, m2 = _moments(src, w, centre)
+        moments[i, s, 0] = m
+        moments[i, s, 1] = m2
+
+
+@njit(error_model="numpy", cache=True)
+def merge_segments(
+    x: Any,
+    w: Any,
+    eps: float,
+    centre: bool,
+    moments: Any,
+    stats: Any,
+    wide: Any,
+    mean: Any,
+    rstd: Any,
+) -> None:
+    # Each row's moments from its segments', merged in segment order (Chan, Golub & LeVeque):
+    #   n = na + nb;  delta = mean_b - mean_a
+    #   mean = mean_a + delta * nb / n;  m2 = m2_a + m2_b + delta^2 * na * nb / n
+    # then rstd (and _wide_stats when wide) as in layer_norm_rows, into stats[row] = (mean,
+    # rstd) and wide[row]; mean and rstd (1-D, or empty) receive the statistics.
+    # No fast-math: the order is the one written, whatever the thread count.
+    cols = x.shape[1]
+    for i in range(x.shape[0]):
+        count = min(cols, SEGMENT)
+        m = moments[i, 0, 0]
+        m2 = moments[i, 0, 1]
+        for s in range(1, moments.shape[1]):
+            nb = min(cols - s * SEGMENT, SEGMENT)
+            total = count + nb
+            delta = moments[i, s, 0] - m
+            m = m + delta * (nb / total)
+            m2 = m2 + moments[i, s, 1] + delta * delta * (count * (nb / total))
+            count = total
+        r = 1.0 / np.sqrt(m2 / cols + eps)
+        wide[i] = not (np.isfinite(m2) and np.isfinite(narrow(r, w)))
+        if wide[i]:
+            m, r = _wide_stats(x[i], m, m2, eps, centre)
+        stats[i, 0] = m
+        stats[i, 1] = r
+        if mean.shape[0] != 0:
+            mean[i] = m
+        if rstd.shape[0] != 0:
+            rstd[i] = r
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def write_segments(
+    x: Any, y: Any, w: Any, b: Any, stats: Any, wide: Any, first: int, last: int
+) -> None:
+    # _write of each segment of items first..last-1, reading x once more from memory.
+    # stats, wide: as merge_segments filled them; other arguments as in layer_norm_rows.
+    cols = x.shape[1]
+    segments = -(-cols // SEGMENT)
+    for k in range(first, last):
+        i, s = k // segments, k % segments
+        a = s * SEGMENT
+        e = min(cols, a + SEGMENT)
+        yr = out_row(x, y, i)
+        if wide[i]:
+            _write_wide(x[i, a:e], yr[a:e], w[a:e], b[a:e], stats[i, 0], stats[i, 1])
+        else:
+            _write(x[i, a:e], yr[a:e], w[a:e], b[a:e], stats[i, 0], stats[i, 1])
+
+
+@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
+def long_rows(
+    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool
+) -> None:
+    # LayerNorm or RMSNorm of every row of x, on this thread, in the segmented one-pass form
+    # (arguments as in layer_norm_rows). Bitwise equal to long_rows_parallel.
+    rows, cols = x.shape
+    segments = -(-cols // SEGMENT)
+    moments = np.empty((rows, segments, 2))
+    stats = np.empty((rows, 2))
+    wide = np.empty(rows, np.bool_)
+    segment_moments(x, w, centre, moments, 0, rows * segments)
+    merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
+    write_segments(x, y, w, b, stats, wide, 0, rows * segments)
+
+
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
+def long_rows_parallel(
+    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
+) -> None:
+    # long_rows with the segments of all rows split into `chunks` equal ranges of items, for
+    # the moments and again for y, in parallel; the merge runs on the calling thread.
+    rows, cols = x.shape
+    segments = -(-cols // SEGMENT)
+    items = rows * segments
+    moments = np.empty((rows, segments, 2))
+    stats = np.empty((rows, 2))
+    wide = np.empty(rows, np.bool_)
+    for c in prange(chunks):
+        segment_moments(x, w, centre, moments, items * c // chunks, items * (c + 1) // chunks)
+    merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
+    for c in prange(chunks):
+        write_segments(x, y, w, b, stats, wide, items * c // chunks, items * (c + 1) // chunks)
