@@ -11,8 +11,8 @@ made; its repr reruns it. An independent model of the contract (:meth:`Forward.p
   tolerances, and leaves the caller's other arrays untouched.
 
 ``NORMLAB_FUZZ_EXAMPLES`` sets the number of calls per test (default 300, derandomized; the
-figures in docs/reliability.md come from larger runs). Inputs that trigger open bugs are
-kept out of the strategies (:data:`OPEN_BUGS`) and have an xfail test each below.
+figures in docs/reliability.md come from larger runs). The bugs the fuzzer found each have a
+test below; what stays open (torch's own numerics on CUDA) is an xfail there.
 """
 
 from __future__ import annotations
@@ -75,17 +75,6 @@ MAX_ELEMENTS: Final = 2000
 NAMED: Final = ("numpy", "numba", "torch")
 BACKEND_NAMES: Final = (None, *NAMED, "cupy", "no_such_backend", 3)
 PREFERENCES: Final = (None, "numpy", "numba", "torch", "cupy")
-
-#: Inputs that give wrong results today (open bugs, see the xfail tests at the end). Each is
-#: kept out of the strategies until fixed; remove the entry with the fix.
-OPEN_BUGS: Final = frozenset(
-    {
-        # The numba backend on float32 rows spread over 1.8e19 (its squares overflow) and on
-        # eps below 8.6e-78 (rstd overflows float32): the fix is in progress in the numba
-        # backend. Until it is merged, calls that numba may serve draw neither (_numba_may_serve).
-        "numba-range",
-    }
-)
 
 
 def _numpy_dtype(name: str) -> np.dtype[Any]:
@@ -693,9 +682,6 @@ def forward_calls(draw: st.DrawFn) -> Forward:
         )
     )
     preference = draw(st.sampled_from(PREFERENCES))
-    if "numba-range" in OPEN_BUGS and _numba_may_serve(family, backend, preference):
-        kinds.remove("spread")
-        eps_values = tuple(e for e in eps_values if not _below_float32_range(e))
     return Forward(
         op=op,
         family=family,
@@ -718,16 +704,6 @@ def forward_calls(draw: st.DrawFn) -> Forward:
         requires_grad=family == "torch" and dtype in FLOATS and draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
-
-
-def _numba_may_serve(family: str, backend: Any, preference: str | None) -> bool:
-    """Whether the numba backend may run a call (OPEN_BUGS "numba-range"): named, preferred,
-    or the default for NumPy arrays."""
-    return backend == "numba" or preference == "numba" or (family == "numpy" and backend is None)
-
-
-def _below_float32_range(eps: Any) -> bool:
-    return isinstance(eps, float) and 0 < eps < float(np.finfo(np.float32).tiny)
 
 
 def _call(f: Forward, kwargs: dict[str, Any]) -> Any:
@@ -1142,7 +1118,7 @@ def test_the_model_of_axes(normalized_shape: Any, axis: Any, error: Any) -> None
 
 
 # --------------------------------------------------------------------------------------------
-# Bugs the fuzzer found: fixed ones, then open ones (kept out of the strategies; see OPEN_BUGS)
+# Bugs the fuzzer found: fixed ones, then what stays open
 
 
 def test_eps_too_large_for_a_float() -> None:
@@ -1158,7 +1134,6 @@ def test_backend_names_that_are_not_strings() -> None:
         assert "unknown backend" in normlab.explain(x, backend=name)
 
 
-NUMBA_IN_PROGRESS: Final = pytest.mark.xfail(strict=False, reason="numba fix in progress")
 #: Where the torch backend keeps torch's own numerics: CUDA, on which no check of the statistics
 #: runs (it would wait for the device). Skipped without a CUDA device; strict where torch's
 #: float32 arithmetic must fail (squares past 3.4e38), not where it was never measured.
@@ -1223,9 +1198,7 @@ def test_out_with_a_parameter_requiring_grad_keeps_the_graph(backend: str) -> No
     np.testing.assert_array_equal(bias.grad.numpy(), 3.0)
 
 
-@pytest.mark.parametrize(
-    "backend", ["numpy", pytest.param("numba", marks=NUMBA_IN_PROGRESS), "torch"]
-)
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
 @pytest.mark.parametrize("eps", [1e-80, 1e-40])
 def test_constant_rows_with_a_tiny_positive_eps_give_bias(backend: str, eps: float) -> None:
     """eps > 0, so a constant row gives exactly bias, and rstd = 1/sqrt(eps) rounded to float32
@@ -1241,9 +1214,7 @@ def test_constant_rows_with_a_tiny_positive_eps_give_bias(backend: str, eps: flo
         np.testing.assert_array_equal(np.asarray(rstd), np.float32(1 / math.sqrt(eps)))
 
 
-@pytest.mark.parametrize(
-    "backend", ["numpy", pytest.param("numba", marks=NUMBA_IN_PROGRESS), "torch"]
-)
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
 def test_zero_rows_with_a_tiny_positive_eps_give_zero_in_rms_norm(backend: str) -> None:
     x: Any = np.zeros((2, 4), np.float32)
     if backend == "torch":
@@ -1281,9 +1252,7 @@ def test_numpy_backward_is_quiet_about_overflow_as_the_forward_is() -> None:
     assert not np.isfinite(dx).all()  # the overflow happened, quietly
 
 
-@pytest.mark.parametrize(
-    "backend", ["numpy", pytest.param("numba", marks=NUMBA_IN_PROGRESS), "torch"]
-)
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
 @pytest.mark.parametrize("spread", [1e20, 1e38, 3e38])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_float32_rows_of_huge_spread(backend: str, spread: float, op: str) -> None:
