@@ -198,7 +198,8 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
 
 
 def _kernels(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
-    """Compile every CUDA kernel for ``--arch``; fail when one does not compile or spills."""
+    """Compile every CUDA kernel for ``--arch``; fail when one does not compile, spills
+    registers or uses a stack frame (local memory)."""
     from normlab.backends import cuda_compile
 
     try:
@@ -211,13 +212,18 @@ def _kernels(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -
     for column in ("kernel", "arch", "registers", "stack (bytes)", "spills (bytes)", "result"):
         table.add_column(column, justify="left" if column in ("kernel", "arch") else "right")
     for r in reports:
-        result = Text("spills", style="red") if r.spills else Text("ok", style="green")
+        problem = "spills" if r.spills else "stack" if r.stack else None
+        result = Text(problem, style="red") if problem else Text("ok", style="green")
         numbers = (str(r.registers), str(r.stack), str(r.spills))
         table.add_row(Text(r.name), Text(r.arch), *(Text(n) for n in numbers), result)
     console.print(table)
     spilling = [r.name for r in reports if r.spills]
     if spilling:
         _error(f"registers spill to local memory in {', '.join(spilling)}")
+        return 1
+    stacked = [r.name for r in reports if r.stack]
+    if stacked:
+        _error(f"a stack frame (local memory) in {', '.join(stacked)}")
         return 1
     if not reports:
         _error("NVRTC reported no kernels")

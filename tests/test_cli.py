@@ -200,7 +200,19 @@ def test_kernels(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
     reports = cuda_compile.compile_all("sm_90")  # from the cache the command filled
     for report in reports:
         assert f"│ {report.name} " in out
-    assert status == (1 if any(r.spills for r in reports) else 0)
+    assert status == (1 if any(r.spills or r.stack for r in reports) else 0)
+
+
+@pytest.mark.parametrize(("stack", "spills"), [(16, 0), (0, 8)])
+def test_kernels_fail_on_local_memory(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], stack: int, spills: int
+) -> None:
+    cuda_compile = pytest.importorskip("normlab.backends.cuda_compile")
+    report = cuda_compile.KernelReport("ln_f32", "sm_90", 40, stack, spills, spills, 0)
+    monkeypatch.setattr(cuda_compile, "compile_all", lambda arch: [report])
+    monkeypatch.setattr(cuda_compile, "nvrtc_version", lambda: (13, 0))
+    assert cli.main(["kernels", "--arch", "sm_90"]) == 1
+    assert "ln_f32" in capsys.readouterr().err
 
 
 def test_kernels_reports_a_compile_error(
