@@ -505,6 +505,54 @@ def test_inputs_untouched(subject: Subject) -> None:
         np.testing.assert_array_equal(old, subject.numpy(t))
 
 
+@pytest.mark.parametrize("op", ["layer_norm_backward", "rms_norm_backward"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_numba_half_backward_is_its_float32_backward_rounded_once(dtype: str, op: str) -> None:
+    """numba decodes a half row once and computes in float32: dx is the float32 backward of the
+    decoded values rounded to the half type (within one unit of that type: the two kernels may
+    add a row's sums in another order), dweight and dbias are its float32 sums."""
+    if not registry.get("numba").available:
+        pytest.skip("numba is unavailable here")
+    x, dy = _x((70, 300), dtype, offset=3.0), _x((70, 300), dtype)
+    weight = _param((300,), "float32")
+    x32, dy32 = x.astype(np.float32), dy.astype(np.float32)
+    if op == "layer_norm_backward":
+        _, mean, rstd = normlab.layer_norm(x, 300, weight, return_stats=True, backend="numba")
+        half = normlab.layer_norm_backward(dy, x, mean, rstd, weight, backend="numba")
+        wide = normlab.layer_norm_backward(dy32, x32, mean, rstd, weight, backend="numba")
+    else:
+        _, rstd = normlab.rms_norm(x, 300, weight, return_stats=True, backend="numba")
+        half = normlab.rms_norm_backward(dy, x, rstd, weight, backend="numba")
+        wide = normlab.rms_norm_backward(dy32, x32, rstd, weight, backend="numba")
+    assert half[0].dtype == x.dtype
+    rounded = wide[0].astype(x.dtype).astype(np.float32)
+    unit = np.spacing(np.abs(rounded).astype(x.dtype)).astype(np.float32)
+    assert np.all(np.abs(half[0].astype(np.float32) - rounded) <= unit)
+    for got, want in zip(half[1:], wide[1:], strict=True):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_numba_backward_without_weight_is_with_ones(dtype: str) -> None:
+    """Without weight numba's kernel skips the multiply (no row of ones): the gradients are
+    those of a weight of ones, within a rounding or two (dweight and dbias come in x's dtype
+    without weight, float32 with it)."""
+    if not registry.get("numba").available:
+        pytest.skip("numba is unavailable here")
+    x, dy = _x((40, 257), dtype, offset=-2.0), _x((40, 257), dtype)
+    _, mean, rstd = normlab.layer_norm(x, 257, return_stats=True, backend="numba")
+    ones = np.ones(257, np.float32)
+    absent = normlab.layer_norm_backward(dy, x, mean, rstd, backend="numba")
+    given = normlab.layer_norm_backward(dy, x, mean, rstd, ones, backend="numba")
+    tol = {"float32": 1e-5, "float16": 2e-3}[dtype]
+    for got, want in zip(absent, given, strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(
+            got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Dispatch
 

@@ -8,6 +8,7 @@ Arrays stay small: these tests check correctness, never speed.
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -607,6 +608,39 @@ def test_long_rows_strided_out_and_in_place(dtype: str) -> None:
         same_stats = result[1].tobytes() == mean.tobytes() and result[2].tobytes() == rstd.tobytes()
         assert same_stats, layout
     assert x.tobytes() == before  # only the copy was normalized in place
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_long_rows_without_weight_or_bias_equal_ones_and_zeros(
+    threads: Callable[[int], None], op: str
+) -> None:
+    """Without weight and bias, long rows reuse one segment of ones and zeros for every segment:
+    the same bits as row-long ones and zeros, on one thread or two."""
+    cols = _long_cols()
+    x = _data((2, cols), "float32", seed=9, loc=2.0)
+    ones, zeros = np.ones(cols, np.float32), np.zeros(cols, np.float32)
+    for n in (1, 2):
+        threads(n)
+        given = _call(x, ones, zeros if op == "layer_norm" else None, op=op)
+        absent = _call(x, op=op)
+        assert (
+            absent[0].tobytes() == given[0].tobytes() and absent[2].tobytes() == given[2].tobytes()
+        )
+
+
+def test_long_rows_without_weight_or_bias_allocate_no_row_sized_stand_in() -> None:
+    """A 1 x 2^22 float32 call without weight or bias allocates y, and nothing else row-sized
+    (traced NumPy allocations; a stand-in of ones and zeros would add two rows)."""
+    cols = 1 << 22
+    x = _data((1, cols), "float32", seed=10)
+    _call(x, stats=False)  # compiled (or loaded) and the segment stand-ins cached
+    tracemalloc.start()
+    try:
+        y, _, _ = _call(x, stats=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert y.nbytes <= peak < y.nbytes + (1 << 20)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,8 +4,11 @@
 RMSNorm without the centring; this module turns a call into kernel arguments. ``x`` and ``out``
 are passed as they are, with any strides (no copy); float16 and bfloat16 arrays as views of
 their bit patterns (``int16`` and ``uint16``). Weight and bias are converted to the compute
-dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements. An ``out`` that is
-``x``'s very memory is normalized in place. Rows of more than
+dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements. An absent one is a
+cached array of ones or zeros: ``cols`` long for short rows, one segment
+(:data:`~normlab.backends.numba_kernels.SEGMENT`) long for long rows, whose kernels reuse it for
+every segment; so a call without weight or bias allocates no row-sized stand-in. An ``out``
+that is ``x``'s very memory is normalized in place. Rows of more than
 :data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` take the segmented one-pass form.
 
 Threads (:class:`Pool`): inputs of fewer than :data:`SERIAL_ELEMENTS` elements run on the
@@ -34,6 +37,7 @@ import numpy as np
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import (
     LONG_ROW_BYTES,
+    SEGMENT,
     layer_norm_rows,
     layer_norm_rows_parallel,
     long_rows,
@@ -59,9 +63,6 @@ __all__ = [
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
 #: milliseconds (measured on 2 cores; see docs/numba.md).
 SERIAL_ELEMENTS: Final = 1 << 15
-
-#: Rows up to this long keep their stand-in weight and bias (ones, zeros) cached between calls.
-_CACHED_COLS: Final = 1 << 16
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
@@ -163,6 +164,8 @@ def _normalize(
 ) -> tuple[Any, Any, Any]:
     """Both ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
     compute = np.float64 if plan.dtype == "float64" else np.float32
+    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
+    stand_in = SEGMENT if long else plan.cols  # the length of an absent weight or bias
     torch_family = plan.family == "torch"
     if torch_family and plan.requires_grad and out is None:  # inside autograd: custom ops
         from normlab.torch import layer_norm_with_autograd, rms_norm_with_autograd
@@ -174,12 +177,12 @@ def _normalize(
         _refuse_grad(x, weight, bias, out)
         x_np = _tensor_as_numpy(x)
         out_np = None if out is None else _tensor_as_numpy(out)
-        w = _parameter(_tensor_parameter(weight, compute), compute, plan.cols, 1.0)
-        b = _parameter(_tensor_parameter(bias, compute), compute, plan.cols, 0.0)
+        w = _parameter(_tensor_parameter(weight, compute), compute, stand_in, 1.0)
+        b = _parameter(_tensor_parameter(bias, compute), compute, stand_in, 0.0)
     else:
         x_np, out_np = x, out
-        w = _parameter(weight, compute, plan.cols, 1.0)
-        b = _parameter(bias, compute, plan.cols, 0.0)
+        w = _parameter(weight, compute, stand_in, 1.0)
+        b = _parameter(bias, compute, stand_in, 0.0)
     stats = np.float64 if plan.stats_dtype == "float64" else np.float32
     none = _no_stats(stats)
     mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
@@ -187,7 +190,6 @@ def _normalize(
     y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
     args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
-    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
     # one short row runs on one thread: it does not take the pool from another caller
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
@@ -243,21 +245,21 @@ def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(y.__array_interface__["data"][0] == data and y.strides == x.strides)
 
 
-def _parameter(p: Any, compute: type, cols: int, fill: float) -> np.ndarray:
-    """Weight or bias as a contiguous compute-dtype array; ``fill`` repeated when absent."""
+def _parameter(p: Any, compute: type, stand_in: int, fill: float) -> np.ndarray:
+    """Weight or bias as a contiguous compute-dtype array; when absent, ``fill`` repeated
+    ``stand_in`` times (cached): ``cols``, or one segment for long rows."""
     if p is None:
-        if cols > _CACHED_COLS:
-            return np.full(cols, fill, dtype=compute)
-        return _constant(cols, compute, fill)
+        return _constant(stand_in, compute, fill)
     if p.dtype == compute and p.flags.c_contiguous:
         return p  # type: ignore[no-any-return]
     return np.ascontiguousarray(p, dtype=compute)
 
 
-@functools.lru_cache(maxsize=64)
-def _constant(cols: int, compute: type, fill: float) -> np.ndarray:
-    """A cached array of ``cols`` times ``fill`` (the weight or bias of a call without one)."""
-    return np.full(cols, fill, dtype=compute)
+@functools.lru_cache(maxsize=32)
+def _constant(length: int, compute: type, fill: float) -> np.ndarray:
+    """A cached array of ``length`` times ``fill`` (the weight or bias of a call without one):
+    at most LONG_ROW_BYTES each, so the cache holds at most 32 MiB."""
+    return np.full(length, fill, dtype=compute)
 
 
 @functools.lru_cache(maxsize=2)

@@ -463,7 +463,9 @@ def write_segments(
     x: Any, y: Any, w: Any, b: Any, stats: Any, wide: Any, first: int, last: int
 ) -> None:
     # _write of each segment of items first..last-1, reading x once more from memory.
-    # stats, wide: as merge_segments filled them; other arguments as in layer_norm_rows.
+    # stats, wide: as merge_segments filled them; w, b: length cols, or (a weight or bias the
+    # caller did not give: ones, zeros) length SEGMENT, the same span for every segment; other
+    # arguments as in layer_norm_rows.
     cols = x.shape[1]
     segments = -(-cols // SEGMENT)
     for k in range(first, last):
@@ -471,10 +473,12 @@ def write_segments(
         a = s * SEGMENT
         e = min(cols, a + SEGMENT)
         yr = out_row(x, y, i)
+        ws = w[a:e] if w.shape[0] == cols else w[: e - a]
+        bs = b[a:e] if b.shape[0] == cols else b[: e - a]
         if wide[i]:
-            _write_wide(x[i, a:e], yr[a:e], w[a:e], b[a:e], stats[i, 0], stats[i, 1])
+            _write_wide(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
         else:
-            _write(x[i, a:e], yr[a:e], w[a:e], b[a:e], stats[i, 0], stats[i, 1])
+            _write(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -482,7 +486,8 @@ def long_rows(
     x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool
 ) -> None:
     # LayerNorm or RMSNorm of every row of x, on this thread, in the segmented one-pass form
-    # (arguments as in layer_norm_rows). Bitwise equal to long_rows_parallel.
+    # (arguments as in layer_norm_rows, but w and b may be SEGMENT long: see write_segments).
+    # Bitwise equal to long_rows_parallel.
     rows, cols = x.shape
     segments = -(-cols // SEGMENT)
     moments = np.empty((rows, segments, 2))
