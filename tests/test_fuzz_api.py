@@ -1269,6 +1269,17 @@ def test_float32_rows_of_huge_spread(backend: str, spread: float, op: str) -> No
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5)
 
 
+def test_torch_rms_norm_without_the_private_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU row check reads rstd from ``torch._fused_rms_norm`` (private, present in the
+    pinned torch); a torch without it gets ``F.rms_norm``'s results, unchecked."""
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))
+    monkeypatch.delattr(torch, "_fused_rms_norm")
+    y, rstd = normlab.rms_norm(x, backend="torch", return_stats=True)
+    want, want_rstd = reference.rms_norm(x)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5)
+    np.testing.assert_allclose(rstd.numpy(), want_rstd, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_float64_rows_of_huge_spread(backend: str, op: str) -> None:
