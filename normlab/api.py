@@ -215,6 +215,9 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
             lines.append(f"  the chosen backend cannot run: {exc}")
             return "\n".join(lines)
         lines.append(f"  layout: {'copy of x — ' + r.copy_x if r.copy_x else 'no copy of x'}")
+        converted = ", ".join(sorted(plan.non_native - {"x"}))
+        if converted:
+            lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
         if plan.has_out:
             how = "directly" if r.out_direct else "through one temporary"
             lines.append(f"  out: written {how}")

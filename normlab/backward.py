@@ -60,7 +60,6 @@ class BackwardPlan:
 
     plan: Plan
     dy_strides: tuple[int, int] | None
-    dy_native: bool
     needs: frozenset[str]
     permuted_shape: tuple[int, ...]
     inverse: tuple[int, ...] | None
@@ -101,8 +100,10 @@ def gradients(
     if p.empty:
         return _empty(bplan, x)
     caps = choice.backend.capabilities
-    dy2 = _rows(dy, p, bplan.dy_strides, bplan.dy_native, caps)
-    x2 = _rows(x, p, p.x_strides, p.x_native, caps)
+    if p.non_native:  # dy and x are copied by _rows
+        mean, rstd, weight = layout.native(mean), layout.native(rstd), layout.native(weight)
+    dy2 = _rows(dy, p, bplan.dy_strides, "dy" not in p.non_native, caps)
+    x2 = _rows(x, p, p.x_strides, "x" not in p.non_native, caps)
     rstd1 = rstd.reshape(p.rows)
     weight1 = layout._flat(weight, p)
     function = choice.backend.function(p.op)
@@ -267,11 +268,11 @@ def _validate(
         out_strides=None,
         out_stats=(False, False),
         dispatch_key=(op, xi.family, xi.device_kind, xi.dtype, requires_grad),
+        non_native=spec.non_native(dy=dy, x=x, mean=mean, rstd=rstd, weight=weight),
     )
     return BackwardPlan(
         plan=p,
         dy_strides=spec.row_view_strides(dyi.shape, dyi.strides, batch_axes, axes),
-        dy_native=dyi.native_byte_order,
         needs=wanted,
         permuted_shape=tuple(xi.shape[a] for a in order),
         inverse=None if permutation is None else tuple(order.index(a) for a in range(xi.ndim)),

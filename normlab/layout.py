@@ -19,7 +19,7 @@ from normlab.dispatch import Choice
 from normlab.errors import ArgumentError, BackendError, NormlabError
 from normlab.spec import Plan, split_out
 
-__all__ = ["Route", "route", "run"]
+__all__ = ["Route", "native", "route", "run"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,7 @@ def route(plan: Plan, choice: Choice) -> Route:
             and not plan.has_out
             and not plan.return_stats
             and not plan.empty
+            and not plan.non_native
         ),
         copy_x=copy_x,
         # with an input that requires grad, the core copies the result into out (recorded by
@@ -113,13 +114,18 @@ def _contiguous(a: Any, family: str) -> Any:
     if family == "torch":
         return a.contiguous()
     if family == "numpy":
-        np = sys.modules["numpy"]
-        if not a.dtype.isnative:
-            a = a.astype(a.dtype.newbyteorder("="))
-        return np.ascontiguousarray(a)
+        return sys.modules["numpy"].ascontiguousarray(native(a))
     if family == "cupy":
         return sys.modules["cupy"].ascontiguousarray(a)
     return a
+
+
+def native(a: Any) -> Any:
+    """``a`` in native byte order: a converted copy when its dtype is byte-swapped, else ``a``
+    itself. Called for the inputs that :func:`normlab.spec.non_native` names."""
+    if a is None or getattr(a.dtype, "isnative", True):
+        return a
+    return a.astype(a.dtype.newbyteorder("="))
 
 
 def _copy_into(dst: Any, src: Any, family: str) -> None:
@@ -223,6 +229,8 @@ def _run(
 ) -> Any:
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
     out_y, out_mean, out_rstd = split_out(plan.op, out)
+    if plan.non_native:  # x itself is copied by the route (copy_x)
+        weight, bias = native(weight), native(bias)
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:

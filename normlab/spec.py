@@ -25,6 +25,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "HALF_DTYPES",
     "Plan",
+    "non_native",
     "plan",
     "row_view_strides",
     "split_out",
@@ -55,6 +56,8 @@ class Plan:
     already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
     strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
     needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
+    ``non_native`` names the input arrays in non-native byte order (see :func:`non_native`):
+    the core hands the backend native copies of them, so a backend never sees one.
     """
 
     op: str
@@ -83,6 +86,7 @@ class Plan:
     out_stats: tuple[bool, bool]
     dispatch_key: tuple[Any, ...]
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    non_native: frozenset[str] = frozenset()
 
     @property
     def has_weight(self) -> bool:
@@ -105,6 +109,21 @@ class Plan:
 def stats_dtype_for(dtype: str) -> str:
     """The dtype of statistics and accumulation for inputs of ``dtype``."""
     return "float64" if dtype == "float64" else "float32"
+
+
+def non_native(**inputs: Any) -> frozenset[str]:
+    """The byte-order rule, one for every op and every array argument.
+
+    Returns the names of the given input arrays (``x``, ``weight``, ``bias``, ``dy``, ``mean``,
+    ``rstd``; None entries ignored) whose dtype is in non-native byte order (NumPy's ``>f4`` on
+    a little-endian machine). The core converts each of them once per call into a native copy
+    (:func:`normlab.layout.native`) before any backend runs, so backends only ever see native
+    arrays. An output (``out`` and its statistics entries) in non-native byte order is written
+    through a native temporary and copied in, never handed to a backend.
+    """
+    return frozenset(
+        name for name, a in inputs.items() if a is not None and not arrays.info(a).native_byte_order
+    )
 
 
 def row_view_strides(
@@ -284,6 +303,7 @@ def _validate(
         out_strides=out_strides,
         out_stats=out_stats,
         dispatch_key=dispatch_key,
+        non_native=non_native(x=x, weight=weight, bias=bias),
     )
 
 

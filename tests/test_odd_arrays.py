@@ -136,6 +136,78 @@ def test_non_native_out_arrays(backend: str) -> None:
     np.testing.assert_allclose(rstd, want_rstd, rtol=1e-5)
 
 
+#: Every array argument of every op, by op: the byte-order rule (normlab.spec.non_native)
+#: covers each one. Inputs are converted once by the core; outputs written through a temporary.
+BYTE_ORDER_ARGUMENTS: Final = {
+    "layer_norm": ("x", "weight", "bias", "out", "out_mean", "out_rstd"),
+    "rms_norm": ("x", "weight", "out", "out_rstd"),
+    "layer_norm_backward": ("dy", "x", "mean", "rstd", "weight"),
+    "rms_norm_backward": ("dy", "x", "rstd", "weight"),
+}
+
+
+def _byte_order_call(op: str, swapped: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Arguments of one call of ``op`` on float32 rows: native ones, and the same values with
+    the argument ``swapped`` in non-native byte order (``out*``: fresh output arrays)."""
+    x = RNG.standard_normal((6, 16)).astype(np.float32)
+    weight = RNG.standard_normal(16).astype(np.float32)
+    native: dict[str, Any] = {"x": x, "weight": weight}
+    if op == "layer_norm":
+        native["bias"] = RNG.standard_normal(16).astype(np.float32)
+    if op.endswith("_backward"):
+        forward = getattr(normlab, op.removesuffix("_backward"))
+        stats = forward(x, weight=weight, return_stats=True, backend="numpy")[1:]
+        native["dy"] = RNG.standard_normal(x.shape).astype(np.float32)
+        native.update(zip(("mean", "rstd") if len(stats) == 2 else ("rstd",), stats, strict=True))
+    else:
+        native["return_stats"] = True
+        stats = ("out_mean", "out_rstd") if op == "layer_norm" else ("out_rstd",)
+        native["out"] = tuple(
+            np.empty(x.shape if name == "out" else (6, 1), np.float32) for name in ("out", *stats)
+        )
+    call = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in native.items()}
+    if swapped.startswith("out"):
+        names = ("out", *stats)
+        call["out"] = tuple(
+            o.astype(o.dtype.newbyteorder()) if name == swapped else o.copy()
+            for name, o in zip(names, native["out"], strict=True)
+        )
+    else:
+        call[swapped] = call[swapped].astype(call[swapped].dtype.newbyteorder())
+    return native, call
+
+
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+@pytest.mark.parametrize(
+    ("op", "argument"), [(op, a) for op, args in BYTE_ORDER_ARGUMENTS.items() for a in args]
+)
+def test_non_native_byte_order_of_each_argument(backend: str, op: str, argument: str) -> None:
+    """One argument in non-native byte order gives bitwise the result of the native call, on
+    the backend's own kernel, and leaves the caller's inputs untouched."""
+    native, call = _byte_order_call(op, argument)
+    inputs = {k: v.copy() for k, v in call.items() if isinstance(v, np.ndarray)}
+    want = getattr(normlab, op)(**native, backend=backend)
+    got = getattr(normlab, op)(**call, backend=backend)
+    for w, g in zip(want, got, strict=True):
+        if w is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(np.asarray(g, dtype=w.dtype), w, strict=False)
+    if not op.endswith("_backward"):
+        assert all(g is o for g, o in zip(got, call["out"], strict=True))  # out returned as is
+    for name, value in inputs.items():
+        np.testing.assert_array_equal(call[name], value)
+        assert call[name].dtype == value.dtype
+
+
+def test_non_native_byte_order_is_named_by_the_plan_and_explain() -> None:
+    x = RNG.standard_normal((3, 8)).astype(np.float32)
+    weight = np.ones(8, ">f4")
+    plan = normlab.spec.plan("layer_norm", x, None, weight, None, 1e-5, None, False, None)
+    assert plan.non_native == {"weight"}
+    assert "native copy of weight" in normlab.explain(x, weight=weight, backend="numpy")
+
+
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def test_fortran_order_x_weight_and_out(backend: str) -> None:
     x = np.asfortranarray(RNG.standard_normal((6, 5, 4)))
