@@ -9,9 +9,10 @@ the input to ``crash-<sha1>``. Hangs are caught by libFuzzer's ``-timeout``. The
 fuzz tests (``tests/test_fuzz_api.py``) check the values; this harness explores the branches
 of ``normlab.spec``, ``dispatch``, ``layout`` and ``backward`` that coverage leads it to.
 
-Run it (``pip install atheris``; ``NUMBA_CACHE_DIR`` pointing at a scratch folder)::
+Run it through nox: ``python3 -m nox -s fuzz`` (CI: replays ``fuzz/corpus/``, then a
+fixed-seed search of fixed length) or ``-s fuzz-explore`` (a random seed, ten minutes; crashes
+land in ``fuzz/findings/``). By hand (``pip install atheris``)::
 
-    python fuzz/fuzz_validation.py -max_total_time=60 -timeout=20 [CORPUS_DIR]
     NORMLAB_FUZZ_VERBOSE=1 python fuzz/fuzz_validation.py crash-<sha1>  # rerun one, printed
 """
 

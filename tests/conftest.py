@@ -1,17 +1,31 @@
 """Shared fixtures: a backend preference that keeps tests independent of the winning CPU backend,
-fake-plugin registration with clean-up, and the NumPy / PyTorch array families."""
+fake-plugin registration with clean-up, and the NumPy / PyTorch array families.
+
+Hypothesis runs under the profile named by ``NORMLAB_HYPOTHESIS_PROFILE``: ``ci`` (the default)
+draws the same examples on every run, with no example database, so one commit always gives one
+verdict; ``explore`` draws new examples each run, ten times as many, and remembers failures in
+the example database (``.hypothesis/``), for hunting by hand.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import plugins_for_tests
 import pytest
+from hypothesis import settings
 
 import normlab
 from normlab import dispatch, registry, spec
+
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile(
+    "explore", derandomize=False, max_examples=1000, deadline=None, print_blob=True
+)
+settings.load_profile(os.environ.get("NORMLAB_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)
