@@ -146,12 +146,22 @@ class Backend:
         if self._module is None:
             try:
                 self._module = importlib.import_module(self.record.module)
+            except KeyboardInterrupt:
+                # A half-imported library cannot be imported again in this process.
+                self._mark_unavailable(f"{self.name}'s import was interrupted; restart the process")
+                raise
             except Exception as exc:
                 raise BackendError(
                     f"backend {self.name!r} (from {self.provided_by}) failed to load its module "
                     f"{self.record.module!r}: {type(exc).__name__}: {exc}"
                 ) from exc
         return self._module
+
+    def _mark_unavailable(self, reason: str) -> None:
+        with self._lock:
+            self._reason, self._checked = reason, True
+        if _registry is not None:  # cached choices that named this backend are stale
+            _registry.generation += 1
 
     def function(self, op: str) -> Callable[..., Any]:
         """The backend's implementation of ``op``."""

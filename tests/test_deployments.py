@@ -245,3 +245,40 @@ def test_a_real_non_root_user_without_a_home() -> None:
             if path.is_dir():
                 path.chmod(0o755)
         shutil.rmtree(work)
+
+
+def test_ctrl_c_while_numba_imports_falls_back_and_explain_says_so(tmp_path: Path) -> None:
+    """Ctrl-C during the first call, while numba is half imported: that call is interrupted;
+    later calls run on numpy, and ``explain()`` says numba cannot be used and why (today every
+    later call fails with ``module 'numba' has no attribute 'core'``)."""
+    code = """
+    import importlib.abc, json, sys
+    import numpy as np, normlab
+
+    class CtrlC(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "numba.core.typing":
+                sys.meta_path.remove(self)
+                raise KeyboardInterrupt
+            return None
+
+    sys.meta_path.insert(0, CtrlC())
+    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 16)
+    try:
+        normlab.layer_norm(x)
+        first = "finished"
+    except KeyboardInterrupt:
+        first = "interrupted"
+    y = normlab.layer_norm(x)
+    expected = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    print(json.dumps({
+        "first": first,
+        "close": bool(np.allclose(y, expected, atol=1e-5)),
+        "explain": normlab.explain(x),
+    }))
+    """
+    found = outcome(child(code, ROOT, {"NORMLAB_CACHE_DIR": str(tmp_path)}))
+    assert found["first"] == "interrupted"
+    assert found["close"]
+    assert "chosen: numpy" in found["explain"]
+    assert "numba's import was interrupted; restart the process" in found["explain"]
