@@ -112,9 +112,9 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         import normlab.testing
         exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
         from numba.core.dispatcher import Dispatcher
-        from normlab.backends import numba_backward, numba_kernels
+        from normlab.backends import half_bits, numba_backward, numba_kernels
         kernels = [
-            k for m in (numba_kernels, numba_backward) for k in vars(m).values()
+            k for m in (half_bits, numba_kernels, numba_backward) for k in vars(m).values()
             if isinstance(k, Dispatcher)
         ]
         print(json.dumps({

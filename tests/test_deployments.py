@@ -32,6 +32,7 @@ from normlab.backends import numba_kernels
 x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(4, 16)
 y = normlab.layer_norm(x)
 y64 = normlab.layer_norm(x.astype(np.float64))
+y16 = normlab.layer_norm(x.astype(np.float16))
 expected = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
 assert np.allclose(y, expected, atol=1e-5), "wrong result"
 kernel = numba_kernels.layer_norm_rows
