@@ -107,13 +107,16 @@ def gradients(
     rstd1 = rstd.reshape(p.rows)
     weight1 = layout._flat(weight, p)
     function = choice.backend.function(p.op)
-    if p.op == "rms_norm_backward":
-        dx2, dweight = function(dy2, x2, rstd1, weight1, plan=p, needs=bplan.needs)
-        dbias = None
-    else:
-        dx2, dweight, dbias = function(
-            dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=bplan.needs
-        )
+    try:
+        if p.op == "rms_norm_backward":
+            dx2, dweight = function(dy2, x2, rstd1, weight1, plan=p, needs=bplan.needs)
+            dbias = None
+        else:
+            dx2, dweight, dbias = function(
+                dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=bplan.needs
+            )
+    except SystemExit as exc:  # a kernel's sys.exit() must not end the caller
+        raise layout.kernel_failure(choice.backend, p.op, exc) from exc
     dx = None
     if dx2 is not None:
         dx = dx2.reshape(bplan.permuted_shape)

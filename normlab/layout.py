@@ -17,6 +17,7 @@ from typing import Any
 from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.errors import ArgumentError, BackendError, NormlabError
+from normlab.registry import Backend
 from normlab.spec import Plan, split_out
 
 __all__ = ["Route", "native", "route", "run"]
@@ -216,12 +217,16 @@ def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) ->
         return _run(plan, choice, r, x, weight, bias, out)
     except NormlabError:
         raise
-    except Exception as exc:
-        backend = choice.backend
-        raise BackendError(
-            f"backend {backend.name!r} (from {backend.provided_by}) failed in {plan.op}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    except (Exception, SystemExit) as exc:  # a kernel's sys.exit() must not end the caller
+        raise kernel_failure(choice.backend, plan.op, exc) from exc
+
+
+def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendError:
+    """The error a caller sees when ``backend``'s ``op`` raised ``exc``."""
+    return BackendError(
+        f"backend {backend.name!r} (from {backend.provided_by}) failed in {op}: "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _run(

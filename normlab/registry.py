@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 BUILTIN: Final = "built-in"
+#: Why a plugin may not call normlab while it is loaded.
+LOADING: Final = "normlab is loading plugins; do not call normlab from a plugin's import or hook"
 ENTRY_POINT_GROUP: Final = "normlab"
 
 
@@ -134,7 +136,7 @@ class Backend:
             return None
         try:
             reason = self.record.check()
-        except Exception as exc:  # a broken check makes the backend unavailable, not normlab
+        except (Exception, SystemExit) as exc:  # a broken check: the backend is unavailable
             return f"availability check raised {type(exc).__name__}: {exc}"
         if reason is None or isinstance(reason, str):
             return reason
@@ -146,12 +148,22 @@ class Backend:
         if self._module is None:
             try:
                 self._module = importlib.import_module(self.record.module)
-            except Exception as exc:
+            except KeyboardInterrupt:
+                # A half-imported library cannot be imported again in this process.
+                self._mark_unavailable(f"{self.name}'s import was interrupted; restart the process")
+                raise
+            except (Exception, SystemExit) as exc:
                 raise BackendError(
                     f"backend {self.name!r} (from {self.provided_by}) failed to load its module "
                     f"{self.record.module!r}: {type(exc).__name__}: {exc}"
                 ) from exc
         return self._module
+
+    def _mark_unavailable(self, reason: str) -> None:
+        with self._lock:
+            self._reason, self._checked = reason, True
+        if _registry is not None:  # cached choices that named this backend are stale
+            _registry.generation += 1
 
     def function(self, op: str) -> Callable[..., Any]:
         """The backend's implementation of ``op``."""
@@ -181,6 +193,8 @@ class Registry:
         self.backends: dict[str, Backend] = {}
         self.failures: list[PluginFailure] = []
         self.generation = 0
+        #: A plugin being loaded called normlab (refused with :data:`LOADING`).
+        self.called_while_loading = False
 
     def load_defaults(self) -> None:
         from normlab import backends as builtin
@@ -202,15 +216,23 @@ class Registry:
             self._register_safely(ep.load, ep.name, source)
 
     def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
+        self.called_while_loading = False
         try:
             plugin = load()
         except (Exception, SystemExit) as exc:
             self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
             return
         try:
-            self.register(plugin, source=source, name=name)
+            admitted = self.register(plugin, source=source, name=name)
         except BackendError as exc:
-            self._fail(name, source, str(exc))
+            self._fail(name, source, LOADING if self.called_while_loading else str(exc))
+            return
+        if self.called_while_loading:  # it caught the BackendError, but it is still refused
+            self.manager.unregister(plugin)
+            for backend in admitted:
+                del self.backends[backend.name]
+            self.generation += 1
+            self._fail(name, source, LOADING)
 
     def _fail(self, plugin: str, source: str, error: str) -> None:
         self.failures.append(PluginFailure(plugin, source, error))
@@ -253,7 +275,7 @@ class Registry:
                 records.extend(result)  # a generator may raise here
             except BackendError:
                 raise
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 raise BackendError(
                     f"plugin {plugin_name!r}: normlab_backends() raised {type(exc).__name__}: {exc}"
                 ) from exc
@@ -324,16 +346,30 @@ def _env_list(name: str) -> list[str]:
 
 _registry: Registry | None = None
 _registry_lock = threading.Lock()
+#: The thread building the registry and the registry it builds, while it does.
+_building: tuple[int, Registry] | None = None
 
 
 def registry() -> Registry:
-    """The process-wide registry, built on first use."""
-    global _registry
+    """The process-wide registry, built on first use.
+
+    A plugin that calls normlab while it is loaded (at import or in its hook) gets a
+    BackendError and is recorded as failed: waiting for the registry would wait for itself.
+    """
+    global _registry, _building
     if _registry is None:
+        building = _building
+        if building is not None and building[0] == threading.get_ident():
+            building[1].called_while_loading = True
+            raise BackendError(LOADING)
         with _registry_lock:
             if _registry is None:
                 fresh = Registry()
-                fresh.load_defaults()
+                _building = (threading.get_ident(), fresh)
+                try:
+                    fresh.load_defaults()
+                finally:
+                    _building = None
                 _registry = fresh
     return _registry
 
@@ -344,17 +380,17 @@ def list_backends() -> list[Backend]:
 
 
 def get(name: str) -> Backend:
-    """The backend called ``name``, or a BackendError listing the registered names."""
+    """The backend called ``name``, or a BackendError listing the registered names.
+
+    Listing them runs no availability check: a misspelt name imports no library and probes no
+    device.
+    """
     backends = registry().backends
     try:
         return backends[name]
     except (KeyError, TypeError):
-        available = ", ".join(b.name for b in list_backends() if b.available) or "none"
-        unavailable = ", ".join(b.name for b in list_backends() if not b.available)
-        raise BackendError(
-            f"unknown backend {name!r}; available backends: {available}"
-            + (f" (registered but unavailable here: {unavailable})" if unavailable else "")
-        ) from None
+        registered = ", ".join(b.name for b in list_backends()) or "none"
+        raise BackendError(f"unknown backend {name!r}; registered backends: {registered}") from None
 
 
 def plugin_failures() -> list[PluginFailure]:

@@ -47,8 +47,8 @@ venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install --quiet "$wheel[test,numba]"
 
 cd "$work"  # not the source tree: only the installed package can be imported
-export NUMBA_CACHE_DIR="$work/numba-cache"
-unset PYTHONPATH NORMLAB_BACKEND NORMLAB_PLUGINS
+export NORMLAB_CACHE_DIR="$work/normlab-cache"
+unset PYTHONPATH NORMLAB_BACKEND NORMLAB_PLUGINS NUMBA_CACHE_DIR
 echo "== the installed package, not the source tree, is imported; its kernels are all there"
 "$venv_python" - "$work/venv" $kernels <<'EOF'
 import pathlib
@@ -68,4 +68,10 @@ for backend in numpy numba; do
     echo "== conformance suite on $backend, from the installed wheel"
     "$venv_python" -m normlab check "$backend" -- -q
 done
+echo "== the kernels were cached in \$NORMLAB_CACHE_DIR/numba, nothing in the installed package"
+package=$("$venv_python" -c 'import normlab, pathlib; print(pathlib.Path(normlab.__file__).parent)')
+written=$(find "$package" -name '*.nbi' -o -name '*.nbc')
+[ -z "$written" ] || { echo "kernel caches inside the installed package: $written"; exit 1; }
+find "$NORMLAB_CACHE_DIR/numba" -name '*.nbi' | grep -q . \
+    || { echo "no kernel cached in $NORMLAB_CACHE_DIR/numba"; exit 1; }
 echo "== the wheel is complete"

@@ -111,8 +111,20 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         assert outcome.startswith("IndexError"), "bounds checks are not in force"
         import normlab.testing
         exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
-        print(json.dumps({"exit_code": exit_code}))
+        from numba.core.dispatcher import Dispatcher
+        from normlab.backends import half_bits, numba_backward, numba_kernels
+        kernels = [
+            k for m in (half_bits, numba_kernels, numba_backward) for k in vars(m).values()
+            if isinstance(k, Dispatcher)
+        ]
+        print(json.dumps({
+            "exit_code": exit_code,
+            "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
+            "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
+        }))
         """
     )
     result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
     assert result["exit_code"] == 0
+    # every kernel the suite ran was compiled here, with bounds checks, none loaded from a cache
+    assert result["compiled"] > 0 and result["loaded"] == 0, result

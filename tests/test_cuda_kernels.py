@@ -11,6 +11,8 @@ import contextlib
 import ctypes
 import dataclasses
 import inspect
+import json
+import stat
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,6 +104,77 @@ def test_compile_kernels_is_cached_on_disk(tmp_path: Path) -> None:
     assert again.image == first.image
     assert again.functions == first.functions
     assert again.reports == first.reports
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The NVRTC runs of this test, one file name each."""
+    runs: list[str] = []
+    real = cuda_compile._compile
+
+    def counted(*args: Any) -> Any:
+        runs.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(cuda_compile, "_compile", counted)
+    return runs
+
+
+def _compile_one() -> bytes:
+    """Compile one small program through the default cache."""
+    spec = Specialisation("layer_norm", "float32", "float32", 32, 1, True)
+    return cuda_compile.compile_kernels([spec], "sm_90").image
+
+
+def test_the_cuda_cache_is_under_normlab_cache_dir_cuda_and_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[str]
+) -> None:
+    _nvrtc_or_skip()
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(tmp_path / "cache"))
+    _compile_one()
+    assert len(list((tmp_path / "cache" / "cuda").glob("*.bin"))) == 1
+    for folder in (tmp_path / "cache", tmp_path / "cache" / "cuda"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    _compile_one()
+    assert len(compiles) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "same size, other bytes"])
+def test_a_damaged_cached_cubin_is_compiled_again_not_loaded(
+    damage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[str]
+) -> None:
+    _nvrtc_or_skip()
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(tmp_path))
+    good = _compile_one()
+    (cubin,) = (tmp_path / "cuda").glob("*.bin")
+    data = cubin.read_bytes()
+    cubin.write_bytes(
+        data[:-100] if damage == "truncated" else data[:-1] + bytes([~data[-1] & 255])
+    )
+    damaged = cubin.read_bytes()
+    again = _compile_one()
+    assert len(compiles) == 2  # compiled afresh (NVRTC's cubins differ from run to run)
+    assert again != damaged and len(again) == len(good)
+    assert cubin.read_bytes() == again  # repaired
+
+
+def test_cubins_in_the_old_layout_are_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[str]
+) -> None:
+    """Before ``NORMLAB_CACHE_DIR/cuda``, ``NORMLAB_CACHE_DIR`` itself held the cubins (and no
+    digest): such a cache is read, and carried into the new layout with a digest."""
+    _nvrtc_or_skip()
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(tmp_path))
+    good = _compile_one()
+    for entry in (tmp_path / "cuda").iterdir():  # move it to the old place, digest removed
+        if entry.suffix == ".json":
+            meta = json.loads(entry.read_text())
+            del meta["size"], meta["sha256"]
+            entry.write_text(json.dumps(meta))
+        entry.rename(tmp_path / entry.name)
+    assert _compile_one() == good
+    assert len(compiles) == 1
+    assert len(list((tmp_path / "cuda").glob("*.bin"))) == 1
 
 
 def test_compute_target_gives_ptx_without_reports(tmp_path: Path) -> None:

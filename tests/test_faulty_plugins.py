@@ -15,9 +15,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import faulty_plugins
 import numpy as np
@@ -46,7 +47,9 @@ def install(folder: Path, entry_points: dict[str, str], modules: dict[str, str])
         (folder / f"{name}.py").write_text(source)
 
 
-def run_python(folder: Path, code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def run_python(
+    folder: Path, code: str, *args: str, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     """``python -c code`` (or ``python -m ...`` with ``args``) with ``folder`` on the path."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("NORMLAB_")}
     environment.update(
@@ -54,7 +57,7 @@ def run_python(folder: Path, code: str, *args: str, **env: str) -> subprocess.Co
     )
     command = [sys.executable, *(args or ("-c", textwrap.dedent(code)))]
     return subprocess.run(
-        command, env=environment, capture_output=True, text=True, timeout=120, check=False
+        command, env=environment, capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
@@ -214,3 +217,139 @@ def test_a_crashing_kernel_is_a_backend_error_naming_backend_and_plugin() -> Non
     assert "faulty_kernel" in message and "register_plugin(kernel_raises)" in message
     assert "the faulty kernel crashed" in message
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# --------------------------------------------------------------------------------------------
+# Plugins that call normlab while they are loaded, and sys.exit() in plugin code
+
+#: Plugin modules that call normlab while the registry is being built.
+REENTRANT: Final = {
+    "calls_at_import": "import normlab\nnormlab.list_backends()\n",
+    "calls_in_hook": (
+        "import numpy as np, normlab\n"
+        "@normlab.hookimpl\n"
+        "def normlab_backends():\n"
+        "    normlab.explain(np.ones((2, 3), np.float32))\n"
+        "    return []\n"
+    ),
+    "swallows_the_error": (
+        "import normlab\n"
+        "try:\n"
+        "    normlab.list_backends()\n"
+        "except normlab.BackendError:\n"
+        "    pass\n"
+        "from faulty_plugins import record\n"
+        "@normlab.hookimpl\n"
+        "def normlab_backends():\n"
+        "    return [record('faulty_sly')]\n"
+    ),
+}
+
+
+def test_a_plugin_calling_normlab_while_loaded_fails_instead_of_deadlocking(
+    tmp_path: Path,
+) -> None:
+    """Today the first call hangs for ever (the registry's lock is not re-entrant); the timeout
+    turns a regression into a failure, not a stuck CI job."""
+    install(tmp_path, {name: name for name in REENTRANT}, REENTRANT)
+    code = """
+    import json, warnings
+    import numpy as np, normlab
+    warnings.simplefilter("ignore")
+    y = normlab.layer_norm(np.ones((2, 3), np.float32))
+    print(json.dumps({
+        "failures": {f.plugin: f.error for f in normlab.plugin_failures()},
+        "backends": sorted(b.name for b in normlab.list_backends()),
+    }))
+    """
+    try:
+        done = run_python(tmp_path, code, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the first call deadlocked while plugins called normlab")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    message = "normlab is loading plugins; do not call normlab from a plugin's import or hook"
+    assert set(found["failures"]) == set(REENTRANT)
+    assert all(message in error for error in found["failures"].values()), found["failures"]
+    assert "faulty_sly" not in found["backends"] and "numpy" in found["backends"]
+
+
+def _exit() -> Any:
+    sys.exit(4)
+
+
+EXITS_IN_HOOK = faulty_plugins.plugin("exits_in_hook", _exit)
+EXITS_IN_CHECK = faulty_plugins.plugin(
+    "exits_in_check", lambda: [faulty_plugins.record("faulty_quitter", check=_exit)]
+)
+
+
+def test_a_hook_calling_sys_exit_is_a_backend_error() -> None:
+    with pytest.raises(normlab.BackendError, match="SystemExit: 4"):
+        normlab.register_plugin(EXITS_IN_HOOK)
+    assert "exits_in_hook" not in {b.provided_by for b in normlab.list_backends()}
+
+
+def test_a_check_calling_sys_exit_makes_the_backend_unavailable() -> None:
+    normlab.register_plugin(EXITS_IN_CHECK)
+    try:
+        (backend,) = (b for b in normlab.list_backends() if b.name == "faulty_quitter")
+        assert not backend.available
+        assert "SystemExit: 4" in str(backend.reason)
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_allclose(normlab.layer_norm(x), normlab.layer_norm(x, backend="numpy"))
+    finally:
+        normlab.unregister_plugin(EXITS_IN_CHECK)
+
+
+@pytest.fixture
+def exiting_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A backend ``faulty_exiting`` whose forward and backward kernels call ``sys.exit``."""
+    module = types.ModuleType("faulty_exiting_kernels")
+    module.layer_norm = lambda *a, **k: _exit()  # type: ignore[attr-defined]
+    module.layer_norm_backward = lambda *a, **k: _exit()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    plugin = faulty_plugins.plugin(
+        "exiting_kernels",
+        lambda: [
+            faulty_plugins.record(
+                "faulty_exiting",
+                module=module.__name__,
+                ops=frozenset({"layer_norm", "layer_norm_backward"}),
+            )
+        ],
+    )
+    normlab.register_plugin(plugin)
+    yield
+    normlab.unregister_plugin(plugin)
+
+
+@pytest.mark.usefixtures("exiting_kernels")
+def test_a_kernel_calling_sys_exit_is_a_backend_error() -> None:
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(normlab.BackendError, match=r"faulty_exiting.*SystemExit: 4"):
+        normlab.layer_norm(x, backend="faulty_exiting")
+    _, mean, rstd = normlab.layer_norm(x, backend="numpy", return_stats=True)
+    with pytest.raises(normlab.BackendError, match=r"faulty_exiting.*SystemExit: 4"):
+        normlab.layer_norm_backward(x, x, mean, rstd, backend="faulty_exiting")
+
+
+def test_a_misspelt_backend_name_imports_no_array_library(tmp_path: Path) -> None:
+    """Listing the registered names runs no availability check: no CuPy import, no CUDA probe."""
+    code = """
+    import json, sys
+    import numpy as np, normlab
+    try:
+        normlab.layer_norm(np.ones((2, 3), np.float32), backend="cpuy")
+    except normlab.BackendError as exc:
+        message = str(exc)
+    print(json.dumps({
+        "message": message,
+        "imported": sorted(m for m in ("cupy", "torch", "numba") if m in sys.modules),
+    }))
+    """
+    done = run_python(tmp_path, code, NORMLAB_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert "unknown backend 'cpuy'" in found["message"] and "cupy" in found["message"]
+    assert found["imported"] == []

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from normlab.backends.cache_dirs import cache_root, make_private_dirs
 from normlab.backends.cuda_launch import Specialisation, all_specialisations, program_of
 
 __all__ = [
@@ -274,12 +275,17 @@ def parse_ptxas_log(log: str) -> dict[str, dict[str, int]]:
 
 
 def default_cache_dir() -> Path:
-    """``$NORMLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/normlab/cuda`` (``~/.cache/normlab/cuda``)."""
+    """``$NORMLAB_CACHE_DIR/cuda``, else ``$XDG_CACHE_HOME/normlab/cuda`` (default
+    ``~/.cache/normlab/cuda``); with no home directory, a folder that cannot exist (every kernel
+    is compiled afresh)."""
+    return cache_root("cuda") or Path(os.devnull) / "normlab-cuda"
+
+
+def _legacy_cache_dir() -> Path | None:
+    """Where earlier normlab versions kept cubins: ``$NORMLAB_CACHE_DIR`` itself (read, never
+    written)."""
     explicit = os.environ.get("NORMLAB_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "normlab" / "cuda"
+    return Path(explicit) if explicit else None
 
 
 def _read_sources(name: str) -> tuple[str, dict[str, str]]:
@@ -311,6 +317,11 @@ def compile_kernels(
     ).hexdigest()
     directory = default_cache_dir() if cache_dir is None else cache_dir
     cached = _read_cache(directory, key)
+    legacy = _legacy_cache_dir() if cache_dir is None else None
+    if cached is None and legacy is not None:
+        cached = _read_cache(legacy, key, legacy=True)
+        if cached is not None:  # carried into the new layout, with its digest
+            _write_cache(directory, key, *cached)
     if cached is None:
         image, lowered, log = _compile(filename, source, headers, options, expressions)
         _write_cache(directory, key, image, {"lowered": lowered, "log": log})
@@ -381,21 +392,36 @@ def _compile(
         lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-def _read_cache(directory: Path, key: str) -> tuple[bytes, dict[str, Any]] | None:
+def _read_cache(
+    directory: Path, key: str, legacy: bool = False
+) -> tuple[bytes, dict[str, Any]] | None:
+    """The cached image and metadata for ``key``, or ``None`` when absent or not intact: the
+    image's size and SHA-256 must match those its metadata records. ``legacy``: entries written
+    by normlab before digests were recorded are accepted (and re-stored with one)."""
     try:
-        image = (directory / f"{key}.bin").read_bytes()
         meta = json.loads((directory / f"{key}.json").read_text())
+        image = (directory / f"{key}.bin").read_bytes()
     except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not isinstance(meta.get("lowered"), dict):
+        return None
+    recorded = (meta.pop("size", None), meta.pop("sha256", None))
+    if recorded == (None, None) and legacy:
+        return image, meta
+    if recorded != (len(image), hashlib.sha256(image).hexdigest()):
         return None
     return image, meta
 
 
 def _write_cache(directory: Path, key: str, image: bytes, meta: dict[str, Any]) -> None:
     """Write atomically (temporary file, then rename): concurrent processes may share the cache.
-    The image goes first, so a metadata file always has its image."""
+    The image goes first, so a metadata file always has its image; the metadata records the
+    image's size and SHA-256. Folders are created 0700; a cache that cannot be written is
+    skipped."""
+    record = {**meta, "size": len(image), "sha256": hashlib.sha256(image).hexdigest()}
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        for name, data in ((f"{key}.bin", image), (f"{key}.json", json.dumps(meta).encode())):
+        make_private_dirs(directory)
+        for name, data in ((f"{key}.bin", image), (f"{key}.json", json.dumps(record).encode())):
             temporary = directory / f"{name}.{os.getpid()}.{threading.get_ident()}.tmp"
             temporary.write_bytes(data)
             os.replace(temporary, directory / name)

@@ -17,6 +17,8 @@ from typing import Any, Final
 import numpy as np
 from numba import njit
 
+from normlab.backends import numba_cache  # noqa: F401  (places the kernels' cache; first)
+
 __all__ = ["bfloat16_to_float32", "float16_to_float32", "float32_to_bfloat16", "float32_to_float16"]
 
 _F32_SIGN: Final = 0x80000000

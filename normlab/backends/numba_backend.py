@@ -34,6 +34,7 @@ from typing import Any, Final
 import numba
 import numpy as np
 
+from normlab.backends import half_bits, numba_backward, numba_cache, numba_kernels
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import (
     LONG_ROW_BYTES,
@@ -58,6 +59,8 @@ __all__ = [
     "threading_layer",
     "to_numpy",
 ]
+
+numba_cache.adopt(half_bits, numba_kernels, numba_backward)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by

@@ -48,6 +48,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from normlab.backends import numba_cache  # noqa: F401  (places the kernels' cache; first)
 from normlab.backends.half_bits import (
     bfloat16_to_float32,
     float16_to_float32,

@@ -1,0 +1,154 @@
+"""Numba's on-disk cache for normlab's own kernels: where it lives, and running without one.
+
+Numba finds a cache directory through its "locators". :class:`KernelCacheLocator`, put first in
+numba's list when this module is imported, answers only for source files inside the normlab
+package, so a user's own ``cache=True`` functions keep numba's usual places. For normlab's
+kernels the directory is ``NUMBA_CACHE_DIR`` when set, else ``$NORMLAB_CACHE_DIR/numba``, else
+the per-user ``~/.cache/normlab/numba`` (:mod:`normlab.backends.cache_dirs`): never the install
+directory, which may be read-only or shared.
+
+:func:`adopt` then gives each kernel of a module the cache its directory allows:
+
+- writable (created 0700): load and save;
+- readable only (a cache built into a read-only image): load; a signature not in it is compiled
+  in the process and not saved;
+- neither (no home directory, a read-only file system): every kernel is compiled in the process,
+  and the ``normlab.compile`` logger says so once, at WARNING.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final, cast
+
+from numba.core import caching, config
+from numba.core.dispatcher import Dispatcher
+
+from normlab.backends.cache_dirs import access, cache_root, make_private_dirs
+
+__all__ = ["KernelCacheLocator", "adopt", "kernel_cache_root"]
+
+logger: Final = logging.getLogger("normlab.compile")
+
+_PACKAGE: Final = Path(__file__).resolve().parents[1]
+_said_uncached = False
+_said_lock = threading.Lock()
+
+
+def kernel_cache_root() -> Path | None:
+    """Where normlab's Numba kernels are cached: ``NUMBA_CACHE_DIR``, else
+    ``$NORMLAB_CACHE_DIR/numba``, else the per-user cache directory (``None``: no home)."""
+    numba_dir: str = getattr(config, "CACHE_DIR", "")
+    if numba_dir:
+        return Path(numba_dir)
+    return cache_root("numba")
+
+
+def _is_normlab_source(py_file: str) -> bool:
+    try:
+        return Path(py_file).resolve().is_relative_to(_PACKAGE)
+    except (OSError, ValueError):
+        return False
+
+
+class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """The cache directory of a normlab kernel (and of no other function)."""
+
+    def __init__(self, py_func: Any, py_file: str) -> None:
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        root = kernel_cache_root()
+        # With no home directory the path names nothing: reads find no index, writes fail.
+        base = root if root is not None else Path(os.devnull) / "normlab-numba"
+        self._cache_path = str(base / self.get_suitable_cache_subpath(py_file))  # type: ignore[no-untyped-call]
+
+    def get_cache_path(self) -> str:
+        return self._cache_path
+
+    def ensure_cache_path(self) -> None:
+        path = Path(self._cache_path)
+        make_private_dirs(path)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"cache directory {path} is not writable")
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> KernelCacheLocator | None:
+        """A locator for ``py_func`` if it is one of normlab's kernels, else ``None`` (numba's
+        own locators then decide). Always one for normlab's kernels, writable or not: the
+        install directory is never the fallback."""
+        if not _is_normlab_source(py_file):
+            return None
+        return cls(py_func, py_file)
+
+
+class _KernelCache(caching.FunctionCache):
+    """Numba's per-function cache, for a directory that may be read-only: a kernel that cannot
+    be saved (or a cache that cannot be read) is compiled in the process instead of failing."""
+
+    def load_overload(self, sig: Any, target_context: Any) -> Any:
+        try:
+            return super().load_overload(sig, target_context)  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            _say_uncached(self.cache_path, exc)
+            return None
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        try:
+            super().save_overload(sig, data)  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            if access(Path(self.cache_path)) == "read":
+                logger.debug(
+                    "read-only kernel cache %s: %s compiled in process", self.cache_path, sig
+                )
+            else:
+                _say_uncached(self.cache_path, exc)
+
+
+def _say_uncached(path: str, why: object) -> None:
+    global _said_uncached
+    with _said_lock:
+        if _said_uncached:
+            return
+        _said_uncached = True
+    logger.warning(
+        "no usable cache directory for normlab's Numba kernels (%s: %s); compiling them in "
+        "this process, which costs seconds on the first call of each kind. Set "
+        "NORMLAB_CACHE_DIR to a writable directory to cache them.",
+        path,
+        why,
+    )
+
+
+def adopt(*modules: ModuleType) -> None:
+    """Give each ``cache=True`` kernel defined in ``modules`` the cache its directory allows:
+    read and write, read only, or none (compiled in process, said once)."""
+    for module in modules:
+        for kernel in vars(module).values():
+            if not (
+                isinstance(kernel, Dispatcher)
+                and kernel.py_func.__module__ == module.__name__
+                and isinstance(getattr(kernel, "_cache", None), caching.FunctionCache)
+            ):
+                continue
+            kernel = cast(Any, kernel)
+            path = Path(kernel._cache.cache_path)
+            if access(path) == "none":
+                _say_uncached(str(path), "cannot be created or read")
+                kernel._cache = caching.NullCache()
+            else:
+                kernel._cache = _KernelCache(kernel.py_func)  # type: ignore[no-untyped-call]
+
+
+def _install() -> None:
+    # numba < 0.68 calls it _CacheImpl
+    impl: Any = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")  # noqa: B009
+    locators = impl._locator_classes
+    if KernelCacheLocator not in locators:
+        locators.insert(0, KernelCacheLocator)
+
+
+_install()  # before any kernel module is decorated: this module is imported by them first
