@@ -17,6 +17,7 @@ DEBUG what was chosen and why.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import warnings
@@ -54,7 +55,7 @@ class Choice:
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Prefer backend ``name`` inside this block (falls back when it cannot serve an array)."""
-    registry.get(name)
+    _named_backend(name)
     token = _preference.set(name)
     try:
         yield
@@ -65,6 +66,18 @@ def use_backend(name: str) -> Iterator[None]:
 def current_preference() -> str | None:
     """The preferred backend name: ``use_backend`` first, then ``NORMLAB_BACKEND``."""
     return _preference.get() or _environment_preference()
+
+
+def _named_backend(name: str) -> Backend:
+    """``registry.get(name)``; for an unknown name the error also suggests the closest one."""
+    try:
+        return registry.get(name)
+    except BackendError as exc:
+        names = list(registry.registry().backends)
+        close = difflib.get_close_matches(name, names, n=1) if isinstance(name, str) else []
+        if not close:
+            raise
+        raise BackendError(f"{exc}; did you mean {close[0]!r}?") from None
 
 
 def _environment_preference() -> str | None:
@@ -95,6 +108,14 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
 
     ``named``: the caller named this backend (``backend=`` or a preference).
     """
+    if named and not backend.available:  # the caller asked for it: why it cannot run comes first
+        why = refusal(backend, plan, named=False)
+        unavailable = f"is unavailable: {backend.reason}"
+        return (
+            unavailable
+            if why is None or why.startswith("unavailable")
+            else (f"{unavailable}; besides, it {why}")
+        )
     if plan.op not in backend.ops:
         return f"does not provide {plan.op}"
     families = backend.families | (backend.explicit_families if named else frozenset())
@@ -139,7 +160,7 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
 
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     if named is not None:
-        backend = registry.get(named)
+        backend = _named_backend(named)
         why = refusal(backend, plan, named=True)
         if why is not None:
             raise BackendError(
@@ -149,7 +170,7 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
         return Choice(backend, "named with backend=", (f"{named}: named with backend=",))
     notes: list[str] = []
     if preference is not None:
-        backend = registry.get(preference)
+        backend = _named_backend(preference)
         why = refusal(backend, plan, named=True)
         if why is None:
             return Choice(
