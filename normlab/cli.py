@@ -56,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if pytest_args and ns.command != "check":
         parser.error("arguments after -- go to pytest; only 'check' takes them")
+    if ns.command is None:
+        return _overview(parser, _console())
     handler: Handler = ns.handler
     return handler(ns, _console(), pytest_args)
 
@@ -73,8 +75,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="normlab", description="One correct, fast LayerNorm call on any array library."
     )
     parser.add_argument("--version", action="version", version=f"normlab {normlab.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = commands.add_parser("info", help="show every backend and whether it can run here")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = commands.add_parser(
+        "info",
+        help="show every backend and whether it can run here",
+        description="Show every backend and whether it can run here; with NAME, all that one "
+        "backend declares (version, devices, dtypes, ops, capabilities).",
+    )
+    info.add_argument("name", metavar="NAME", nargs="?", help="one backend to describe in full")
     info.set_defaults(handler=_info)
     check = commands.add_parser(
         "check",
@@ -107,12 +115,43 @@ def _error(message: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# no command
+
+
+def _overview(parser: argparse.ArgumentParser, console: Console) -> int:
+    """The help and a short status: the registered backends and their libraries' versions.
+
+    Reads package metadata only: no backend's availability check runs, so neither numba nor
+    cupy is imported (``normlab info`` runs the checks).
+    """
+    console.print(parser.format_help(), highlight=False, markup=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NormlabWarning)
+        backends = normlab.list_backends()
+        failures = normlab.plugin_failures()
+    described = []
+    for b in backends:
+        library = b.record.library
+        installed = f"{library} {b.version}" if b.version else f"{library} not installed"
+        described.append(f"{b.name} ({installed})" if library else b.name)
+    console.print(f"normlab {normlab.__version__}; backends: {', '.join(described)}")
+    if failures:
+        console.print(f"{len(failures)} plugin(s) failed to load; see 'normlab info'")
+    console.print("Which can run here, and why not: normlab info")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # info
 
 
 def _info(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
-    """Print the backend table, the plugin failures and the preference in force."""
+    """Print the backend table (or one backend in full), the plugin failures and the preference
+    in force."""
+    if ns.name is not None:
+        return _info_one(ns.name, console)
     _print_backends(console)
+    console.print("All that one backend declares: normlab info NAME")
     if any(b.name == "numba" and b.available for b in normlab.list_backends()):
         from normlab.backends import numba_backend  # starts numba's threads to learn the layer
 
@@ -139,33 +178,68 @@ def _print_backends(console: Console) -> None:
 
 
 def _backend_table(backends: Iterable[Backend]) -> Table:
-    """A table of ``backends``: availability, library version, what each serves, its source."""
+    """A table of ``backends`` that fits 80 columns: availability (the reason wraps), what
+    each serves, its priority and source. ``normlab info NAME`` shows the rest."""
     table = Table(
         title="normlab backends",
         caption="* served only when named: backend=NAME or use_backend(NAME)",
     )
-    columns = ("backend", "status", "version", "families", "devices", "dtypes", "ops")
-    for column in (*columns, "capabilities", "priority", "provided by"):
-        table.add_column(column, justify="right" if column == "priority" else "left")
+    table.add_column("backend", no_wrap=True)
+    table.add_column("status", overflow="fold", ratio=3)
+    table.add_column("families", overflow="fold", ratio=2)
+    table.add_column("priority", justify="right", no_wrap=True)
+    table.add_column("provided by", overflow="fold", ratio=2)
     for b in backends:
-        reason = b.reason
-        status = Text("available", style="green")
-        if reason is not None:
-            status = Text(f"unavailable — {reason}", style="red")
-        families = sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
         table.add_row(
             Text(b.name, style="bold"),
-            status,
-            Text(b.version or "—"),
-            Text(", ".join(families)),
-            Text(", ".join(sorted(b.devices))),
-            Text(", ".join(_dtype_order(b.dtypes))),
-            Text(", ".join(sorted(b.ops))),
-            Text(", ".join(sorted(b.capabilities)) or "—"),
+            _status(b),
+            Text(", ".join(_families(b))),
             Text(str(b.priority)),
             Text(b.provided_by),
         )
     return table
+
+
+def _status(b: Backend) -> Text:
+    if b.reason is None:
+        return Text("available", style="green")
+    return Text(f"unavailable — {b.reason}", style="red")
+
+
+def _families(b: Backend) -> list[str]:
+    return sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
+
+
+def _info_one(name: str, console: Console) -> int:
+    """Everything backend ``name`` declares, one field a line (values wrap)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NormlabWarning)
+        try:
+            b = dispatch.backend_named(name)
+        except BackendError as exc:
+            _error(str(exc))
+            return 2
+    table = Table(title=f"normlab backend {b.name}", show_header=False)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    fields = (
+        ("status", _status(b)),
+        ("description", Text(b.record.description or "—")),
+        ("version", Text(f"{b.record.library} {b.version}" if b.version else "—")),
+        ("families", Text(", ".join(_families(b)))),
+        ("devices", Text(", ".join(sorted(b.devices)))),
+        ("dtypes", Text(", ".join(_dtype_order(b.dtypes)))),
+        ("ops", Text(", ".join(sorted(b.ops)))),
+        ("capabilities", Text(", ".join(sorted(b.capabilities)) or "—")),
+        ("priority", Text(str(b.priority))),
+        ("provided by", Text(b.provided_by)),
+    )
+    for field, value in fields:
+        table.add_row(field, value)
+    console.print(table)
+    if b.explicit_families:
+        console.print("* served only when named: backend=NAME or use_backend(NAME)")
+    return 0
 
 
 def _dtype_order(dtypes: Iterable[str]) -> list[str]:

@@ -32,7 +32,15 @@ from normlab.errors import BackendError, NormlabWarning
 from normlab.registry import Backend
 from normlab.spec import Plan
 
-__all__ = ["Choice", "choose", "clear_caches", "current_preference", "refusal", "use_backend"]
+__all__ = [
+    "Choice",
+    "backend_named",
+    "choose",
+    "clear_caches",
+    "current_preference",
+    "refusal",
+    "use_backend",
+]
 
 logger: Final = logging.getLogger("normlab.dispatch")
 
@@ -55,7 +63,7 @@ class Choice:
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Prefer backend ``name`` inside this block (falls back when it cannot serve an array)."""
-    _named_backend(name)
+    backend_named(name)
     token = _preference.set(name)
     try:
         yield
@@ -68,7 +76,7 @@ def current_preference() -> str | None:
     return _preference.get() or _environment_preference()
 
 
-def _named_backend(name: str) -> Backend:
+def backend_named(name: str) -> Backend:
     """``registry.get(name)``; for an unknown name the error also suggests the closest one."""
     try:
         return registry.get(name)
@@ -160,7 +168,7 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
 
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     if named is not None:
-        backend = _named_backend(named)
+        backend = backend_named(named)
         why = refusal(backend, plan, named=True)
         if why is not None:
             raise BackendError(
@@ -170,7 +178,7 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
         return Choice(backend, "named with backend=", (f"{named}: named with backend=",))
     notes: list[str] = []
     if preference is not None:
-        backend = _named_backend(preference)
+        backend = backend_named(preference)
         why = refusal(backend, plan, named=True)
         if why is None:
             return Choice(
