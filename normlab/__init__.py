@@ -19,6 +19,7 @@ from normlab.errors import (
     ShapeError,
 )
 from normlab.hookspecs import BackendRecord, hookimpl
+from normlab.precompile import warmup
 from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
 from normlab.spec import Plan
 
@@ -48,4 +49,5 @@ __all__ = [
     "rms_norm_backward",
     "unregister_plugin",
     "use_backend",
+    "warmup",
 ]

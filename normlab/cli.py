@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -103,6 +103,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     kernels.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
     kernels.set_defaults(handler=_kernels)
+    warm = commands.add_parser(
+        "warmup",
+        help="compile the numba kernels ahead of time (for a Docker build step)",
+        description="Compile numba's kernels for dtypes x {contiguous, strided} x {serial, "
+        "parallel} x {forward, backward} into numba's on-disk cache, so that first calls "
+        "later load them instead of compiling. The cache is tied to this CPU model: see "
+        "docs/numba.md.",
+    )
+    warm.add_argument(
+        "--dtypes", nargs="+", choices=FLOAT_DTYPES, default=list(FLOAT_DTYPES), metavar="DTYPE"
+    )
+    warm.add_argument(
+        "--ops", nargs="+", choices=("forward", "backward"), default=["forward", "backward"]
+    )
+    warm.add_argument("--cache-dir", help="numba's cache directory (NUMBA_CACHE_DIR)")
+    warm.set_defaults(handler=_warmup)
     demo = commands.add_parser(
         "demo", help="run the worked example and a Transformer batch through every backend"
     )
@@ -302,6 +318,64 @@ def _kernels(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -
     if not reports:
         _error("NVRTC reported no kernels")
         return 1
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# warmup
+
+
+#: Seconds an idle machine takes to compile one call of the warm-up set (measured: 1-2 s).
+_COMPILE_S_IDLE: Final = (1, 2)
+
+
+def _warmup(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Compile the warm-up set with a progress bar; say what was compiled and loaded."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from normlab import precompile
+    from normlab.errors import NormlabError
+
+    low, high = _COMPILE_S_IDLE
+    console.print(
+        f"Compiling numba kernels for {', '.join(ns.dtypes)} ({' and '.join(ns.ops)}): about "
+        f"{low}-{high} s a call on an idle machine, milliseconds for one already cached"
+    )
+
+    def bar(calls: Iterator[precompile.WarmupCall], total: int) -> Iterator[Any]:
+        columns = (
+            TextColumn("{task.description:<40}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("warming up", total=total)
+            for call in calls:
+                progress.update(task, description=call.label)
+                yield call
+                progress.advance(task)
+
+    try:
+        warmed = precompile.warmup(ns.dtypes, ns.ops, cache_dir=ns.cache_dir, progress=bar)
+    except NormlabError as exc:
+        _error(str(exc))
+        return 2
+    console.print(
+        f"{warmed.calls} calls in {warmed.seconds:.1f} s: {warmed.compiled} kernels compiled, "
+        f"{warmed.loaded} loaded from the cache ({warmed.cache_dir})"
+    )
+    for what in warmed.skipped:
+        console.print(f"skipped: {what}")
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any, Final
 import numba
 import numpy as np
 
+from normlab import notices
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import (
     LONG_ROW_BYTES,
@@ -109,6 +110,8 @@ class Pool:
         self._lock = threading.Lock()  # another thread of the parent may have held it
         self._forked = self._forked or self._started
 
+
+notices.watch_numba_compiles()  # a slow first call says that it is compiling
 
 #: The one pool of this process (numba has one set of worker threads per process).
 POOL: Final = Pool()
