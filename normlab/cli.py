@@ -40,9 +40,10 @@ WORKED_EXAMPLE: Final = (1.0, 3.0, 5.0, 7.0)
 BATCH_SHAPE: Final = (8, 128, 768)
 #: Console width when stdout is not a terminal.
 PIPE_WIDTH: Final = 200
-#: Seconds of timed calls per batch of repeats in ``demo``.
-_TIMING_BATCH_S: Final = 0.02
-_TIMING_BATCHES: Final = 5
+#: Seconds of timed calls per batch of repeats in ``demo``, and the number of batches: enough
+#: that the median of two runs on an idle machine agree within 20% (about 0.5 s a row).
+_TIMING_BATCH_S: Final = 0.025
+_TIMING_BATCHES: Final = 21
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -418,6 +419,7 @@ class _Outcome:
     array_type: str
     y: np.ndarray | None = None
     seconds: float | None = None
+    spread: float | None = None
     problem: str | None = None
 
 
@@ -452,10 +454,13 @@ def _demo(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> i
 
     _heading(console, f"A Transformer activation {list(BATCH_SHAPE)}: batch, sequence, hidden")
     table = Table(
-        caption="error: max |y - reference| (float64 oracle); GB/s: bytes of x + y per second"
+        caption="error: max |y - reference| (float64 oracle); time: the median of "
+        f"{_TIMING_BATCHES} batches of calls, ± half the spread between their quartiles; GB/s: "
+        "bytes of x + y per second at the median"
     )
-    for column in ("backend", "array", "input", "max |error|", "time per call", "GB/s"):
-        table.add_column(column, justify="right" if column in ("time per call", "GB/s") else "left")
+    timed = ("time per call", "±", "GB/s")
+    for column in ("backend", "array", "input", "max |error|", *timed):
+        table.add_column(column, justify="right" if column in timed else "left")
     for case in _batch_cases():
         for b in backends:
             outcome = _run(b, case, timed=True)
@@ -469,6 +474,7 @@ def _demo(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> i
                 Text(case.label),
                 _error_cell(outcome, case),
                 Text(_duration(outcome.seconds)),
+                Text("—" if outcome.spread is None else f"{outcome.spread:.0%}"),
                 Text(rate),
             )
     console.print(table)
@@ -511,11 +517,11 @@ def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
         def call() -> Any:
             return normlab.layer_norm(x, weight=w, bias=b, backend=backend.name)
 
-        seconds = _time_per_call(call, _synchronizer(x)) if timed else None
+        seconds, spread = _time_per_call(call, _synchronizer(x)) if timed else (None, None)
         y = np.asarray(backend.to_numpy(call()), dtype=np.float64)
     except Exception as exc:  # the demo reports a broken backend and goes on with the others
         return _Outcome("—", problem=f"{type(exc).__name__}: {exc}")
-    return _Outcome(kind, y, seconds)
+    return _Outcome(kind, y, seconds, spread)
 
 
 def _fits(outcome: _Outcome, case: _Case) -> bool:
@@ -537,8 +543,9 @@ def _error_cell(outcome: _Outcome, case: _Case) -> Text:
     return Text(f"{error:.1e}", style="green" if error <= case.bound else "red")
 
 
-def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> float:
-    """Best mean time of a few batches of calls, after one warm-up call (JIT, caches)."""
+def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> tuple[float, float]:
+    """The median time per call over batches of calls, after one warm-up call (JIT, caches),
+    and the spread: half the distance between the batches' quartiles, relative to the median."""
     call()
     synchronize()
     start = time.perf_counter()
@@ -546,14 +553,15 @@ def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> 
     synchronize()
     once = max(time.perf_counter() - start, 1e-7)
     repeats = max(1, int(_TIMING_BATCH_S / once))
-    best = float("inf")
+    times = []
     for _ in range(_TIMING_BATCHES):
         start = time.perf_counter()
         for _ in range(repeats):
             call()
         synchronize()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
+        times.append((time.perf_counter() - start) / repeats)
+    low, median, high = np.percentile(times, [25, 50, 75])
+    return float(median), float((high - low) / 2 / median)
 
 
 def _synchronizer(x: Any) -> Callable[[], None]:
