@@ -96,6 +96,7 @@ def docs(session: nox.Session) -> None:
     session.install(".[docs,numba]", "pytest", RUFF)  # ruff formats the API signatures
     site = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
+    session.env["NORMLAB_SITE_DIR"] = str(site)  # test_docs scans the built HTML
     session.run("pytest", "tests/test_docs.py", *session.posargs)
 
 
