@@ -116,14 +116,17 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
 
     ``named``: the caller named this backend (``backend=`` or a preference).
     """
+    why = _mismatch(backend, plan, named)
     if named and not backend.available:  # the caller asked for it: why it cannot run comes first
-        why = refusal(backend, plan, named=False)
         unavailable = f"is unavailable: {backend.reason}"
-        return (
-            unavailable
-            if why is None or why.startswith("unavailable")
-            else (f"{unavailable}; besides, it {why}")
-        )
+        return unavailable if why is None else f"{unavailable}; besides, it {why}"
+    if why is None and not backend.available:  # checked last: the check may import a library
+        return f"unavailable: {backend.reason}"
+    return why
+
+
+def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
+    """What in ``backend``'s record does not fit ``plan`` (availability aside)."""
     if plan.op not in backend.ops:
         return f"does not provide {plan.op}"
     families = backend.families | (backend.explicit_families if named else frozenset())
@@ -141,8 +144,6 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
         return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
     if plan.requires_grad and "autograd" not in backend.capabilities:
         return "does not support autograd and x requires grad (normlab never detaches silently)"
-    if not backend.available:
-        return f"unavailable: {backend.reason}"
     return None
 
 

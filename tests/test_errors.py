@@ -515,7 +515,7 @@ def test_misspelt_backend_suggests_the_closest_name() -> None:
 
 
 def test_named_unavailable_backend_says_why_first(register: Any) -> None:
-    from plugins_for_tests import record
+    from plugins_for_tests import FakeArray, record
 
     register(record("gpuonly", devices=frozenset({"cuda"}), check=lambda: "no GPU driver"))
     with pytest.raises(normlab.BackendError) as info:
@@ -524,6 +524,17 @@ def test_named_unavailable_backend_says_why_first(register: Any) -> None:
     assert re.search(
         r"it is unavailable: no GPU driver; besides, it serves fakelib arrays", message
     )
+    register(
+        record(
+            "zerocopy",
+            families=frozenset({"numpy"}),
+            explicit_families=frozenset({"fakelib"}),
+            check=lambda: "no driver",
+        )
+    )
+    with pytest.raises(normlab.BackendError) as info:
+        normlab.layer_norm(FakeArray(_x(2, 3)), backend="zerocopy")
+    assert str(info.value).endswith("it is unavailable: no driver")  # named: fakelib is served
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # nested and CSR tensors are torch betas
