@@ -13,11 +13,13 @@ from normlab.errors import (
     BackendError,
     DeviceError,
     DtypeError,
+    LayoutError,
     NormlabError,
     NormlabWarning,
     ShapeError,
 )
 from normlab.hookspecs import BackendRecord, hookimpl
+from normlab.precompile import warmup
 from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
 from normlab.spec import Plan
 
@@ -29,6 +31,7 @@ __all__ = [
     "BackendRecord",
     "DeviceError",
     "DtypeError",
+    "LayoutError",
     "NormlabError",
     "NormlabWarning",
     "Plan",
@@ -46,4 +49,5 @@ __all__ = [
     "rms_norm_backward",
     "unregister_plugin",
     "use_backend",
+    "warmup",
 ]

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Final
 
-from normlab.errors import DtypeError
+from normlab.errors import DtypeError, LayoutError
 
 __all__ = [
     "ArrayInfo",
@@ -115,10 +115,21 @@ def _device_kind(device: str) -> str:
 
 
 class NumpyInspector(Inspector):
+    """NumPy arrays and their subclasses. A subclass (``np.memmap``, a user's own) is read as
+    the ndarray it is and the result is a plain ``np.ndarray``; ``np.matrix`` is refused, since
+    it is always 2-D and its ``*`` is a matrix product, so no result could honestly be one."""
+
     def key(self, x: Any) -> tuple[Any, ...]:
         return (x.dtype, x.shape, x.strides)
 
     def info(self, x: Any) -> ArrayInfo:
+        if any(
+            c.__name__ == "matrix" and c.__module__.startswith("numpy") for c in type(x).__mro__
+        ):
+            raise DtypeError(
+                "np.matrix is not accepted (it is always 2-D and its * is a matrix product); "
+                "use np.asarray(x) to pass its data as an ndarray"
+            )
         itemsize = x.dtype.itemsize
         strides: tuple[int, ...] | None = tuple(s // itemsize for s in x.strides)
         if any(s % itemsize for s in x.strides):
@@ -146,9 +157,18 @@ class TorchInspector(Inspector):
         return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)
 
     def info(self, x: Any) -> ArrayInfo:
-        if getattr(x, "is_nested", False) or str(x.layout) != "torch.strided":
-            kind = "a nested tensor" if getattr(x, "is_nested", False) else f"{x.layout} tensor"
-            raise DtypeError(f"normlab normalizes dense (strided) tensors; got {kind}")
+        if getattr(x, "is_nested", False):
+            raise LayoutError(
+                "a nested tensor has no single (rows, cols) layout; normlab normalizes dense "
+                "(torch.strided) tensors: normalize each component of x.unbind(), or, for a "
+                "jagged tensor normalized over its last dim, x.values()"
+            )
+        if str(x.layout) != "torch.strided":
+            raise LayoutError(
+                f"a tensor with layout {x.layout} (sparse) is not dense; normlab normalizes dense "
+                "(torch.strided) tensors: convert with x.to_dense() (normalizing would fill "
+                "the zeros anyway)"
+            )
         device = str(x.device)
         return ArrayInfo(
             family="torch",

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -40,9 +40,10 @@ WORKED_EXAMPLE: Final = (1.0, 3.0, 5.0, 7.0)
 BATCH_SHAPE: Final = (8, 128, 768)
 #: Console width when stdout is not a terminal.
 PIPE_WIDTH: Final = 200
-#: Seconds of timed calls per batch of repeats in ``demo``.
-_TIMING_BATCH_S: Final = 0.02
-_TIMING_BATCHES: Final = 5
+#: Seconds of timed calls per batch of repeats in ``demo``, and the number of batches: enough
+#: that the median of two runs on an idle machine agree within 20% (about 0.5 s a row).
+_TIMING_BATCH_S: Final = 0.025
+_TIMING_BATCHES: Final = 21
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(args)
     if pytest_args and ns.command != "check":
         parser.error("arguments after -- go to pytest; only 'check' takes them")
+    if ns.command is None:
+        return _overview(parser, _console())
     handler: Handler = ns.handler
     return handler(ns, _console(), pytest_args)
 
@@ -73,8 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="normlab", description="One correct, fast LayerNorm call on any array library."
     )
     parser.add_argument("--version", action="version", version=f"normlab {normlab.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    info = commands.add_parser("info", help="show every backend and whether it can run here")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = commands.add_parser(
+        "info",
+        help="show every backend and whether it can run here",
+        description="Show every backend and whether it can run here; with NAME, all that one "
+        "backend declares (version, devices, dtypes, ops, capabilities).",
+    )
+    info.add_argument("name", metavar="NAME", nargs="?", help="one backend to describe in full")
     info.set_defaults(handler=_info)
     check = commands.add_parser(
         "check",
@@ -95,6 +104,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     kernels.add_argument("--arch", default="sm_90", help="target architecture (default sm_90)")
     kernels.set_defaults(handler=_kernels)
+    warm = commands.add_parser(
+        "warmup",
+        help="compile the numba kernels ahead of time (for a Docker build step)",
+        description="Compile numba's kernels for dtypes x {contiguous, strided} x {serial, "
+        "parallel} x {forward, backward} into numba's on-disk cache, so that first calls "
+        "later load them instead of compiling. The cache is tied to this CPU model: see "
+        "docs/numba.md.",
+    )
+    warm.add_argument(
+        "--dtypes", nargs="+", choices=FLOAT_DTYPES, default=list(FLOAT_DTYPES), metavar="DTYPE"
+    )
+    warm.add_argument(
+        "--ops", nargs="+", choices=("forward", "backward"), default=["forward", "backward"]
+    )
+    warm.add_argument("--cache-dir", help="numba's cache directory (NUMBA_CACHE_DIR)")
+    warm.set_defaults(handler=_warmup)
     demo = commands.add_parser(
         "demo", help="run the worked example and a Transformer batch through every backend"
     )
@@ -107,12 +132,43 @@ def _error(message: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# no command
+
+
+def _overview(parser: argparse.ArgumentParser, console: Console) -> int:
+    """The help and a short status: the registered backends and their libraries' versions.
+
+    Reads package metadata only: no backend's availability check runs, so neither numba nor
+    cupy is imported (``normlab info`` runs the checks).
+    """
+    console.print(parser.format_help(), highlight=False, markup=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NormlabWarning)
+        backends = normlab.list_backends()
+        failures = normlab.plugin_failures()
+    described = []
+    for b in backends:
+        library = b.record.library
+        installed = f"{library} {b.version}" if b.version else f"{library} not installed"
+        described.append(f"{b.name} ({installed})" if library else b.name)
+    console.print(f"normlab {normlab.__version__}; backends: {', '.join(described)}")
+    if failures:
+        console.print(f"{len(failures)} plugin(s) failed to load; see 'normlab info'")
+    console.print("Which can run here, and why not: normlab info")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # info
 
 
 def _info(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
-    """Print the backend table, the plugin failures and the preference in force."""
+    """Print the backend table (or one backend in full), the plugin failures and the preference
+    in force."""
+    if ns.name is not None:
+        return _info_one(ns.name, console)
     _print_backends(console)
+    console.print("All that one backend declares: normlab info NAME")
     if any(b.name == "numba" and b.available for b in normlab.list_backends()):
         from normlab.backends import numba_backend  # starts numba's threads to learn the layer
 
@@ -139,33 +195,68 @@ def _print_backends(console: Console) -> None:
 
 
 def _backend_table(backends: Iterable[Backend]) -> Table:
-    """A table of ``backends``: availability, library version, what each serves, its source."""
+    """A table of ``backends`` that fits 80 columns: availability (the reason wraps), what
+    each serves, its priority and source. ``normlab info NAME`` shows the rest."""
     table = Table(
         title="normlab backends",
         caption="* served only when named: backend=NAME or use_backend(NAME)",
     )
-    columns = ("backend", "status", "version", "families", "devices", "dtypes", "ops")
-    for column in (*columns, "capabilities", "priority", "provided by"):
-        table.add_column(column, justify="right" if column == "priority" else "left")
+    table.add_column("backend", no_wrap=True)
+    table.add_column("status", overflow="fold", ratio=3)
+    table.add_column("families", overflow="fold", ratio=2)
+    table.add_column("priority", justify="right", no_wrap=True)
+    table.add_column("provided by", overflow="fold", ratio=2)
     for b in backends:
-        reason = b.reason
-        status = Text("available", style="green")
-        if reason is not None:
-            status = Text(f"unavailable — {reason}", style="red")
-        families = sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
         table.add_row(
             Text(b.name, style="bold"),
-            status,
-            Text(b.version or "—"),
-            Text(", ".join(families)),
-            Text(", ".join(sorted(b.devices))),
-            Text(", ".join(_dtype_order(b.dtypes))),
-            Text(", ".join(sorted(b.ops))),
-            Text(", ".join(sorted(b.capabilities)) or "—"),
+            _status(b),
+            Text(", ".join(_families(b))),
             Text(str(b.priority)),
             Text(b.provided_by),
         )
     return table
+
+
+def _status(b: Backend) -> Text:
+    if b.reason is None:
+        return Text("available", style="green")
+    return Text(f"unavailable — {b.reason}", style="red")
+
+
+def _families(b: Backend) -> list[str]:
+    return sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
+
+
+def _info_one(name: str, console: Console) -> int:
+    """Everything backend ``name`` declares, one field a line (values wrap)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NormlabWarning)
+        try:
+            b = dispatch.backend_named(name)
+        except BackendError as exc:
+            _error(str(exc))
+            return 2
+    table = Table(title=f"normlab backend {b.name}", show_header=False)
+    table.add_column("field", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    fields = (
+        ("status", _status(b)),
+        ("description", Text(b.record.description or "—")),
+        ("version", Text(f"{b.record.library} {b.version}" if b.version else "—")),
+        ("families", Text(", ".join(_families(b)))),
+        ("devices", Text(", ".join(sorted(b.devices)))),
+        ("dtypes", Text(", ".join(_dtype_order(b.dtypes)))),
+        ("ops", Text(", ".join(sorted(b.ops)))),
+        ("capabilities", Text(", ".join(sorted(b.capabilities)) or "—")),
+        ("priority", Text(str(b.priority))),
+        ("provided by", Text(b.provided_by)),
+    )
+    for field, value in fields:
+        table.add_row(field, value)
+    console.print(table)
+    if b.explicit_families:
+        console.print("* served only when named: backend=NAME or use_backend(NAME)")
+    return 0
 
 
 def _dtype_order(dtypes: Iterable[str]) -> list[str]:
@@ -232,6 +323,64 @@ def _kernels(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -
 
 
 # --------------------------------------------------------------------------------------------
+# warmup
+
+
+#: Seconds an idle machine takes to compile one call of the warm-up set (measured: 1-2 s).
+_COMPILE_S_IDLE: Final = (1, 2)
+
+
+def _warmup(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Compile the warm-up set with a progress bar; say what was compiled and loaded."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from normlab import precompile
+    from normlab.errors import NormlabError
+
+    low, high = _COMPILE_S_IDLE
+    console.print(
+        f"Compiling numba kernels for {', '.join(ns.dtypes)} ({' and '.join(ns.ops)}): about "
+        f"{low}-{high} s a call on an idle machine, milliseconds for one already cached"
+    )
+
+    def bar(calls: Iterator[precompile.WarmupCall], total: int) -> Iterator[Any]:
+        columns = (
+            TextColumn("{task.description:<40}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("warming up", total=total)
+            for call in calls:
+                progress.update(task, description=call.label)
+                yield call
+                progress.advance(task)
+
+    try:
+        warmed = precompile.warmup(ns.dtypes, ns.ops, cache_dir=ns.cache_dir, progress=bar)
+    except NormlabError as exc:
+        _error(str(exc))
+        return 2
+    console.print(
+        f"{warmed.calls} calls in {warmed.seconds:.1f} s: {warmed.compiled} kernels compiled, "
+        f"{warmed.loaded} loaded from the cache ({warmed.cache_dir})"
+    )
+    for what in warmed.skipped:
+        console.print(f"skipped: {what}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # demo
 
 
@@ -270,6 +419,7 @@ class _Outcome:
     array_type: str
     y: np.ndarray | None = None
     seconds: float | None = None
+    spread: float | None = None
     problem: str | None = None
 
 
@@ -304,10 +454,13 @@ def _demo(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> i
 
     _heading(console, f"A Transformer activation {list(BATCH_SHAPE)}: batch, sequence, hidden")
     table = Table(
-        caption="error: max |y - reference| (float64 oracle); GB/s: bytes of x + y per second"
+        caption="error: max |y - reference| (float64 oracle); time: the median of "
+        f"{_TIMING_BATCHES} batches of calls, ± half the spread between their quartiles; GB/s: "
+        "bytes of x + y per second at the median"
     )
-    for column in ("backend", "array", "input", "max |error|", "time per call", "GB/s"):
-        table.add_column(column, justify="right" if column in ("time per call", "GB/s") else "left")
+    timed = ("time per call", "±", "GB/s")
+    for column in ("backend", "array", "input", "max |error|", *timed):
+        table.add_column(column, justify="right" if column in timed else "left")
     for case in _batch_cases():
         for b in backends:
             outcome = _run(b, case, timed=True)
@@ -321,6 +474,7 @@ def _demo(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> i
                 Text(case.label),
                 _error_cell(outcome, case),
                 Text(_duration(outcome.seconds)),
+                Text("—" if outcome.spread is None else f"{outcome.spread:.0%}"),
                 Text(rate),
             )
     console.print(table)
@@ -363,11 +517,11 @@ def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
         def call() -> Any:
             return normlab.layer_norm(x, weight=w, bias=b, backend=backend.name)
 
-        seconds = _time_per_call(call, _synchronizer(x)) if timed else None
+        seconds, spread = _time_per_call(call, _synchronizer(x)) if timed else (None, None)
         y = np.asarray(backend.to_numpy(call()), dtype=np.float64)
     except Exception as exc:  # the demo reports a broken backend and goes on with the others
         return _Outcome("—", problem=f"{type(exc).__name__}: {exc}")
-    return _Outcome(kind, y, seconds)
+    return _Outcome(kind, y, seconds, spread)
 
 
 def _fits(outcome: _Outcome, case: _Case) -> bool:
@@ -389,8 +543,9 @@ def _error_cell(outcome: _Outcome, case: _Case) -> Text:
     return Text(f"{error:.1e}", style="green" if error <= case.bound else "red")
 
 
-def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> float:
-    """Best mean time of a few batches of calls, after one warm-up call (JIT, caches)."""
+def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> tuple[float, float]:
+    """The median time per call over batches of calls, after one warm-up call (JIT, caches),
+    and the spread: half the distance between the batches' quartiles, relative to the median."""
     call()
     synchronize()
     start = time.perf_counter()
@@ -398,14 +553,15 @@ def _time_per_call(call: Callable[[], Any], synchronize: Callable[[], None]) -> 
     synchronize()
     once = max(time.perf_counter() - start, 1e-7)
     repeats = max(1, int(_TIMING_BATCH_S / once))
-    best = float("inf")
+    times = []
     for _ in range(_TIMING_BATCHES):
         start = time.perf_counter()
         for _ in range(repeats):
             call()
         synchronize()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
+        times.append((time.perf_counter() - start) / repeats)
+    low, median, high = np.percentile(times, [25, 50, 75])
+    return float(median), float((high - low) / 2 / median)
 
 
 def _synchronizer(x: Any) -> Callable[[], None]:

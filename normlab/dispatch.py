@@ -17,6 +17,7 @@ DEBUG what was chosen and why.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import warnings
@@ -31,7 +32,15 @@ from normlab.errors import BackendError, NormlabWarning
 from normlab.registry import Backend
 from normlab.spec import Plan
 
-__all__ = ["Choice", "choose", "clear_caches", "current_preference", "refusal", "use_backend"]
+__all__ = [
+    "Choice",
+    "backend_named",
+    "choose",
+    "clear_caches",
+    "current_preference",
+    "refusal",
+    "use_backend",
+]
 
 logger: Final = logging.getLogger("normlab.dispatch")
 
@@ -54,7 +63,7 @@ class Choice:
 @contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Prefer backend ``name`` inside this block (falls back when it cannot serve an array)."""
-    registry.get(name)
+    backend_named(name)
     token = _preference.set(name)
     try:
         yield
@@ -65,6 +74,18 @@ def use_backend(name: str) -> Iterator[None]:
 def current_preference() -> str | None:
     """The preferred backend name: ``use_backend`` first, then ``NORMLAB_BACKEND``."""
     return _preference.get() or _environment_preference()
+
+
+def backend_named(name: str) -> Backend:
+    """``registry.get(name)``; for an unknown name the error also suggests the closest one."""
+    try:
+        return registry.get(name)
+    except BackendError as exc:
+        names = list(registry.registry().backends)
+        close = difflib.get_close_matches(name, names, n=1) if isinstance(name, str) else []
+        if not close:
+            raise
+        raise BackendError(f"{exc}; did you mean {close[0]!r}?") from None
 
 
 def _environment_preference() -> str | None:
@@ -95,6 +116,17 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
 
     ``named``: the caller named this backend (``backend=`` or a preference).
     """
+    why = _mismatch(backend, plan, named)
+    if named and not backend.available:  # the caller asked for it: why it cannot run comes first
+        unavailable = f"is unavailable: {backend.reason}"
+        return unavailable if why is None else f"{unavailable}; besides, it {why}"
+    if why is None and not backend.available:  # checked last: the check may import a library
+        return f"unavailable: {backend.reason}"
+    return why
+
+
+def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
+    """What in ``backend``'s record does not fit ``plan`` (availability aside)."""
     if plan.op not in backend.ops:
         return f"does not provide {plan.op}"
     families = backend.families | (backend.explicit_families if named else frozenset())
@@ -112,8 +144,6 @@ def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
         return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
     if plan.requires_grad and "autograd" not in backend.capabilities:
         return "does not support autograd and x requires grad (normlab never detaches silently)"
-    if not backend.available:
-        return f"unavailable: {backend.reason}"
     return None
 
 
@@ -139,7 +169,7 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
 
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     if named is not None:
-        backend = registry.get(named)
+        backend = backend_named(named)
         why = refusal(backend, plan, named=True)
         if why is not None:
             raise BackendError(
@@ -149,7 +179,7 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
         return Choice(backend, "named with backend=", (f"{named}: named with backend=",))
     notes: list[str] = []
     if preference is not None:
-        backend = registry.get(preference)
+        backend = backend_named(preference)
         why = refusal(backend, plan, named=True)
         if why is None:
             return Choice(

@@ -12,6 +12,7 @@ __all__ = [
     "BackendError",
     "DeviceError",
     "DtypeError",
+    "LayoutError",
     "NormlabError",
     "NormlabWarning",
     "ShapeError",
@@ -32,6 +33,11 @@ class ArgumentError(NormlabError, ValueError):
 
 class DtypeError(NormlabError, TypeError):
     """An array has a dtype (or is a kind of array) that normlab does not accept."""
+
+
+class LayoutError(DtypeError):
+    """A tensor whose memory layout normlab cannot read (nested, sparse): a :class:`DtypeError`,
+    so existing ``except DtypeError`` clauses keep catching it."""
 
 
 class DeviceError(NormlabError, ValueError):

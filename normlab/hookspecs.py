@@ -69,7 +69,8 @@ class BackendRecord:
         families: array families served by default (``"numpy"``, ``"torch"``, ``"cupy"``, …).
         devices: device kinds served (``"cpu"``, ``"cuda"``).
         dtypes: dtype names served (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``).
-        ops: op names provided (``"layer_norm"``; later ``"rms_norm"`` and backward ops).
+        ops: op names provided: any of ``"layer_norm"``, ``"rms_norm"``,
+            ``"layer_norm_backward"``, ``"rms_norm_backward"``.
         priority: higher wins among backends that can serve an array.
         capabilities: a subset of :data:`CAPABILITIES`.
         explicit_families: further families served only when the caller names this backend

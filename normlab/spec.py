@@ -174,6 +174,8 @@ def plan(
     out: Any,
 ) -> Plan:
     """Validate a call and return its :class:`Plan` (cached by the arguments' metadata)."""
+    if eps is not None and type(eps) is not float and arrays.is_array(eps):
+        eps = _eps_from_array(eps)
     key: tuple[Any, ...] | None
     try:
         array_type = type(x)
@@ -308,6 +310,11 @@ def _validate(
 
 
 def _array_info(name: str, value: Any) -> ArrayInfo:
+    if type(value).__module__.split(".")[0] == "pandas":
+        raise DtypeError(
+            f"{name} is a pandas {type(value).__name__}; normlab takes arrays: convert with "
+            f"`{name}.to_numpy()` (normalizing a table's rows over its columns)"
+        )
     if not arrays.is_array(value):
         raise ArgumentError(
             f"{name} must be an array (numpy.ndarray, torch.Tensor, cupy.ndarray, …), "
@@ -401,6 +408,33 @@ def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) 
             f"{name} has shape {pi.shape} but the normalized shape of x {xi.shape} is {norm_shape}"
         )
     return pi.dtype
+
+
+def _eps_from_array(eps: Any) -> Any:
+    """A one-element host array given as eps (a 0-d NumPy array, a CPU tensor), as a Python
+    number, so that the plan cache keys on its value and not on the array object."""
+    try:
+        info = arrays.info(eps)
+    except NormlabError:
+        raise
+    except Exception:  # not readable as an array: _check_eps names it
+        return eps
+    if math.prod(info.shape) != 1:
+        raise ArgumentError(
+            f"eps must be a finite number >= 0, got an array of shape {info.shape}; eps is one "
+            "number for every row"
+        )
+    if info.requires_grad:
+        raise ArgumentError(
+            "eps is a tensor that requires grad; normlab treats eps as a constant and gives it "
+            "no gradient: pass eps.item() or a float"
+        )
+    if info.device_kind != "cpu":
+        raise ArgumentError(
+            f"eps is an array on {info.device}; pass a Python float (eps.item() copies it to "
+            "the host, which waits for the device)"
+        )
+    return eps.item() if hasattr(eps, "item") else eps
 
 
 def _check_eps(eps: Any) -> float:

@@ -86,7 +86,43 @@ def test_info_lists_every_backend(wide: None, capsys: pytest.CaptureFixture[str]
     numpy_row = next(line for line in out.splitlines() if "│ numpy " in line)
     assert "available" in numpy_row
     assert "unavailable" not in numpy_row
-    assert "float16, bfloat16, float32, float64" in numpy_row
+    assert "normlab info NAME" in out
+
+
+def test_info_name_shows_all_one_backend_declares(
+    wide: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["info", "numpy"]) == 0
+    out = capsys.readouterr().out
+    numpy = next(b for b in normlab.list_backends() if b.name == "numpy")
+    assert "float16, bfloat16, float32, float64" in out
+    assert ", ".join(sorted(numpy.ops)) in out
+    assert ", ".join(sorted(numpy.capabilities)) in out
+    assert f"numpy {numpy.version}" in out
+
+
+def test_info_name_suggests_a_close_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["info", "numab"]) == 2
+    assert "did you mean 'numba'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["info"], ["info", "numba"], []])
+def test_output_fits_80_columns(
+    sick_backends: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "…" not in out  # no cell cut short
+    if args == ["info"]:
+        cells = " ".join(part.strip() for line in out.splitlines() for part in line.split("│")[2:3])
+        assert "unavailable — availability check raised RuntimeError: the probe exploded" in (
+            " ".join(cells.split())
+        )
 
 
 def test_info_marks_explicit_families(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,10 +220,45 @@ def test_pytest_args_only_for_check(capsys: pytest.CaptureFixture[str]) -> None:
     assert "only 'check'" in capsys.readouterr().err
 
 
-def test_a_command_is_required() -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main([])
-    assert exc.value.code == 2
+def test_no_command_prints_help_and_a_status(
+    wide: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: normlab" in out
+    assert f"normlab {normlab.__version__}; backends: " in out
+    for backend in normlab.list_backends():
+        assert backend.name in out
+    assert "normlab info" in out
+
+
+@pytest.mark.parametrize("how", ["python -m normlab", "normlab"])
+def test_no_command_imports_neither_numba_nor_cupy(how: str) -> None:
+    run = (
+        "runpy.run_module('normlab', run_name='__main__')"
+        if how != "normlab"
+        else ("sys.exit(normlab.cli.main([]))")
+    )
+    code = textwrap.dedent(
+        f"""
+        import atexit, runpy, sys
+        import normlab.cli
+
+        def report():
+            heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "cupy"))
+            print("HEAVY:", heavy)
+
+        atexit.register(report)
+        {run}
+        """
+    )
+    env = dict(os.environ, COLUMNS="1000", PYTHONPATH=str(PACKAGE_PARENT))
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: normlab" in result.stdout
+    assert "HEAVY: []" in result.stdout
 
 
 def test_kernels(wide: None, capsys: pytest.CaptureFixture[str]) -> None:

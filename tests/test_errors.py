@@ -389,3 +389,161 @@ def test_messages_are_the_same_on_cached_and_fresh_calls() -> None:
         messages.append(str(info.value))
     assert messages[0] == messages[1]
     assert re.search(r"\(4,\).*\(2, 3\)", messages[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Messages that say what to do
+
+
+@pytest.mark.parametrize(
+    "eps",
+    [
+        np.array(1e-3),
+        np.array([1e-3]),
+        torch.tensor(1e-3, dtype=torch.float64),
+        torch.tensor([1e-3]),
+    ],
+    ids=["numpy-0d", "numpy-1", "torch-0d", "torch-1"],
+)
+def test_eps_as_a_one_element_host_array_is_a_number(eps: Any) -> None:
+    x = _x(3, 8)
+    expected = normlab.layer_norm(x, eps=float(eps.item()))
+    np.testing.assert_array_equal(normlab.layer_norm(x, eps=eps), expected)
+    np.testing.assert_array_equal(normlab.rms_norm(x, eps=eps), normlab.rms_norm(x, eps=1e-3))
+
+
+def test_eps_array_is_converted_before_the_plan_cache_keys_on_it() -> None:
+    x = _x(3, 8)
+    spec.clear_cache()
+    eps = np.array(1e-3)
+    normlab.layer_norm(x, eps=eps)
+    eps[...] = 0.5  # the same array object, a new value: a cache keyed on the object would miss it
+    np.testing.assert_array_equal(normlab.layer_norm(x, eps=eps), normlab.layer_norm(x, eps=0.5))
+    assert all(not isinstance(key[7], np.ndarray) for key in spec._cache)
+
+
+@pytest.mark.parametrize(
+    ("eps", "pattern"),
+    [
+        (torch.tensor(1e-3, requires_grad=True), r"requires grad.*eps\.item\(\)"),
+        (np.array([1e-3, 1e-3]), r"shape \(2,\).*one number"),
+        (torch.tensor(True), "finite number"),
+        (np.array(-1.0), "finite number >= 0"),
+    ],
+    ids=["requires-grad", "two-elements", "bool", "negative"],
+)
+def test_eps_array_that_is_not_a_number_is_refused(eps: Any, pattern: str) -> None:
+    with pytest.raises(normlab.ArgumentError, match=pattern):
+        normlab.layer_norm(_x(3, 8), eps=eps)
+
+
+def test_eps_on_a_device_is_refused_without_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from normlab import arrays
+
+    eps = torch.tensor(1e-3)
+    on_gpu = arrays.ArrayInfo("torch", "torch.Tensor", "float32", (), (), 4, "cuda:0", "cuda")
+    monkeypatch.setattr(
+        arrays, "info", lambda a: on_gpu if a is eps else arrays.inspector(type(a)).info(a)
+    )
+    with pytest.raises(normlab.ArgumentError, match=r"eps is an array on cuda:0.*eps\.item\(\)"):
+        normlab.layer_norm(_x(3, 8), eps=eps)
+
+
+class _FakePandas:
+    """Stands for a pandas object (checked by module name, so pandas need not be installed)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self._data = data
+        self.shape = data.shape
+
+    def to_numpy(self) -> np.ndarray:
+        return self._data
+
+
+class Series(_FakePandas):
+    dtype = np.dtype(np.float32)
+
+
+class DataFrame(_FakePandas):
+    dtypes = (np.dtype(np.float32),)  # a DataFrame has no single dtype
+
+
+Series.__module__ = "pandas.core.series"
+DataFrame.__module__ = "pandas.core.frame"
+
+
+@pytest.mark.parametrize("table", [Series, DataFrame])
+@pytest.mark.parametrize("role", ["x", "weight"])
+def test_pandas_objects_are_refused_with_to_numpy(table: type[_FakePandas], role: str) -> None:
+    x = _x(3, 4)
+    data = table(x if role == "x" else x[0])
+    args = {"x": x, "weight": None, role: data}
+    with pytest.raises(
+        normlab.DtypeError,
+        match=rf"{role} is a pandas {table.__name__}.*"
+        rf"`{role}\.to_numpy\(\)`",
+    ):
+        normlab.layer_norm(args["x"], weight=args["weight"])
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_np_matrix_is_refused_with_asarray() -> None:
+    m = np.matrix(_x(3, 4))
+    with pytest.raises(normlab.DtypeError, match=r"np\.matrix.*np\.asarray\(x\)"):
+        normlab.layer_norm(m)
+
+
+def test_memmap_gives_a_plain_ndarray(tmp_path: Any) -> None:
+    data = _x(3, 4)
+    m = np.memmap(tmp_path / "x.bin", dtype=np.float32, shape=(3, 4), mode="w+")
+    m[:] = data
+    y = normlab.layer_norm(m)
+    assert type(y) is np.ndarray
+    np.testing.assert_array_equal(y, normlab.layer_norm(data))
+
+
+def test_misspelt_backend_suggests_the_closest_name() -> None:
+    with pytest.raises(
+        normlab.BackendError, match=r"unknown backend 'numab'.*did you mean 'numba'\?"
+    ):
+        normlab.layer_norm(_x(2, 3), backend="numab")
+    with pytest.raises(normlab.BackendError, match="did you mean 'numpy'"):
+        normlab.use_backend("nunpy").__enter__()
+    with pytest.raises(normlab.BackendError) as info:
+        normlab.layer_norm(_x(2, 3), backend="zzzzzz")
+    assert "did you mean" not in str(info.value)
+
+
+def test_named_unavailable_backend_says_why_first(register: Any) -> None:
+    from plugins_for_tests import FakeArray, record
+
+    register(record("gpuonly", devices=frozenset({"cuda"}), check=lambda: "no GPU driver"))
+    with pytest.raises(normlab.BackendError) as info:
+        normlab.layer_norm(_x(2, 3), backend="gpuonly")
+    message = str(info.value)
+    assert re.search(
+        r"it is unavailable: no GPU driver; besides, it serves fakelib arrays", message
+    )
+    register(
+        record(
+            "zerocopy",
+            families=frozenset({"numpy"}),
+            explicit_families=frozenset({"fakelib"}),
+            check=lambda: "no driver",
+        )
+    )
+    with pytest.raises(normlab.BackendError) as info:
+        normlab.layer_norm(FakeArray(_x(2, 3)), backend="zerocopy")
+    assert str(info.value).endswith("it is unavailable: no driver")  # named: fakelib is served
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested and CSR tensors are torch betas
+def test_nested_and_sparse_tensors_get_a_layout_error() -> None:
+    assert issubclass(normlab.LayoutError, normlab.DtypeError)
+    nested = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)])
+    with pytest.raises(normlab.LayoutError, match=r"nested tensor.*x\.unbind\(\)"):
+        normlab.layer_norm(nested)
+    with pytest.raises(normlab.LayoutError, match=r"sparse_coo.*x\.to_dense\(\)"):
+        normlab.layer_norm(torch.ones(2, 4).to_sparse())
+    with pytest.raises(normlab.LayoutError, match=r"sparse_csr.*x\.to_dense\(\)"):
+        normlab.layer_norm(torch.ones(2, 4).to_sparse_csr())

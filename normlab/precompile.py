@@ -1,0 +1,212 @@
+"""``normlab.warmup``: compile the numba kernels ahead of time (a Docker build step, a CI cache).
+
+A first call of each dtype and layout compiles a numba specialization (1-2 s on an idle
+machine, 10-20 s on a loaded one); numba caches it on disk, and later processes load it in
+milliseconds. :func:`warmup` makes those first calls now, on small arrays, for the set
+
+    dtypes x {contiguous, strided} x {serial, parallel} x {forward, backward}
+
+where *strided* is a row view of every other column, *parallel* an input of at least
+:data:`~normlab.backends.numba_backend.SERIAL_ELEMENTS` elements (the kernels that run on
+numba's threads; compiled only where numba has more than one thread), forward is
+``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels) and backward
+``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels). Rows longer
+than :data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` and calls with ``out=`` use other
+kernels and are not warmed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from normlab import notices
+from normlab.errors import ArgumentError, BackendError
+from normlab.spec import FLOAT_DTYPES
+
+__all__ = ["DIRECTIONS", "Warmed", "WarmupCall", "warmup", "warmup_calls"]
+
+#: ``ops`` for :func:`warmup`: the forward and the backward kernels.
+DIRECTIONS: Final = ("forward", "backward")
+_COLS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupCall:
+    """One call of the warm-up set: a dtype, a layout, serial or parallel, a direction."""
+
+    dtype: str
+    strided: bool
+    parallel: bool
+    direction: str
+
+    @property
+    def label(self) -> str:
+        layout = "strided" if self.strided else "contiguous"
+        threads = "parallel" if self.parallel else "serial"
+        return f"{self.dtype} {layout} {threads} {self.direction}"
+
+
+@dataclass(frozen=True, slots=True)
+class Warmed:
+    """What :func:`warmup` did: calls made, kernels compiled and loaded from the cache."""
+
+    calls: int
+    compiled: int
+    loaded: int
+    seconds: float
+    cache_dir: str
+    skipped: tuple[str, ...]
+
+
+def warmup_calls(
+    dtypes: Sequence[str] = FLOAT_DTYPES,
+    ops: Sequence[str] = DIRECTIONS,
+    parallel: bool = True,
+) -> list[WarmupCall]:
+    """The warm-up set for these dtypes and directions (``parallel=False``: serial only)."""
+    for dtype in dtypes:
+        if dtype not in FLOAT_DTYPES:
+            raise ArgumentError(f"warmup: unknown dtype {dtype!r}; choose from {FLOAT_DTYPES}")
+    for op in ops:
+        if op not in DIRECTIONS:
+            raise ArgumentError(f"warmup: unknown op {op!r}; choose from {DIRECTIONS}")
+    return [
+        WarmupCall(dtype, strided, threads, direction)
+        for dtype in dtypes
+        for strided in (False, True)
+        for threads in ((False, True) if parallel else (False,))
+        for direction in ops
+    ]
+
+
+def warmup(
+    dtypes: Sequence[str] = FLOAT_DTYPES,
+    ops: Sequence[str] = DIRECTIONS,
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[Iterator[WarmupCall], int], Iterator[WarmupCall]] | None = None,
+) -> Warmed:
+    """Compile (or load from numba's cache) the numba kernels of the warm-up set.
+
+    Args:
+        dtypes: any of ``float16``, ``bfloat16`` (needs ``ml_dtypes``), ``float32``, ``float64``.
+        ops: ``"forward"``, ``"backward"`` or both.
+        cache_dir: numba's cache directory (``NUMBA_CACHE_DIR``); it must be given before the
+            numba backend is first used in this process.
+        progress: wraps the iterator of calls (the command line shows a progress bar with it).
+
+    Returns:
+        :class:`Warmed`: the calls made, the kernels compiled and loaded, the seconds taken.
+
+    Raises:
+        BackendError: numba is not installed. ArgumentError: an unknown dtype or op, or a
+            ``cache_dir`` given after numba's cache was set up in this process.
+    """
+    _set_cache_dir(cache_dir)
+    import normlab
+
+    numba_backend = next(b for b in normlab.list_backends() if b.name == "numba")
+    if not numba_backend.available:
+        raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
+    import numba
+
+    from normlab.backends import numba_backward, numba_kernels
+
+    skipped = []
+    if "bfloat16" in dtypes and _bfloat16() is None:
+        skipped.append("bfloat16 (ml_dtypes is not installed)")
+        dtypes = [d for d in dtypes if d != "bfloat16"]
+    calls = warmup_calls(dtypes, ops, parallel=numba.get_num_threads() > 1)
+    if numba.get_num_threads() == 1:
+        skipped.append("parallel kernels (numba has one thread here)")
+    entries = _entry_points(numba_kernels, numba_backward)
+    before = _cache_counts(entries)
+    start = time.perf_counter()
+    with notices.compile_notices_silenced():
+        for call in progress(iter(calls), len(calls)) if progress else calls:
+            _run(call)
+    hits, misses = (a - b for a, b in zip(_cache_counts(entries), before, strict=True))
+    return Warmed(
+        calls=len(calls),
+        compiled=misses,
+        loaded=hits,
+        seconds=time.perf_counter() - start,
+        cache_dir=str(_numba_config().CACHE_DIR or "next to the package (__pycache__)"),
+        skipped=tuple(skipped),
+    )
+
+
+def _set_cache_dir(cache_dir: str | os.PathLike[str] | None) -> None:
+    if cache_dir is None:
+        return
+    wanted = os.path.abspath(os.fspath(cache_dir))
+    if "normlab.backends.numba_kernels" in sys.modules:
+        if os.path.abspath(_numba_config().CACHE_DIR or "") != wanted:
+            raise ArgumentError(
+                f"warmup: cache_dir={wanted!r} comes too late: numba's kernels were loaded in "
+                f"this process with cache {_numba_config().CACHE_DIR or '__pycache__'!r}; set "
+                "NUMBA_CACHE_DIR before the first call, or run 'normlab warmup --cache-dir DIR'"
+            )
+        return
+    os.makedirs(wanted, exist_ok=True)
+    os.environ["NUMBA_CACHE_DIR"] = wanted
+    if "numba" in sys.modules:  # imported, but the kernels (and their caches) not yet
+        _numba_config().CACHE_DIR = wanted
+
+
+def _numba_config() -> Any:
+    """numba's configuration module (its settings are not typed)."""
+    from numba.core import config
+
+    return config
+
+
+def _entry_points(*modules: Any) -> list[Any]:
+    """The numba dispatchers that Python calls (the kernels' entry points)."""
+    names = (
+        "layer_norm_rows",
+        "layer_norm_rows_parallel",
+        "backward_chunks",
+        "backward_chunks_parallel",
+        "sum_chunks",
+    )
+    return [getattr(m, n) for m in modules for n in names if hasattr(m, n)]
+
+
+def _cache_counts(dispatchers: list[Any]) -> tuple[int, int]:
+    hits = sum(sum(d.stats.cache_hits.values()) for d in dispatchers)
+    misses = sum(sum(d.stats.cache_misses.values()) for d in dispatchers)
+    return hits, misses
+
+
+def _bfloat16() -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes.bfloat16
+
+
+def _run(call: WarmupCall) -> None:
+    """One call of the set, on small arrays, through the public API and the numba backend."""
+    import normlab
+    from normlab.backends.numba_backend import SERIAL_ELEMENTS
+
+    dtype = _bfloat16() if call.dtype == "bfloat16" else np.dtype(call.dtype)
+    cols_stride = 2 if call.strided else 1
+    rows = 2 * SERIAL_ELEMENTS // _COLS if call.parallel else 4
+    base = np.linspace(-1.0, 1.0, rows * _COLS * cols_stride).reshape(rows, _COLS * cols_stride)
+    x = base.astype(dtype)[:, ::cols_stride]
+    param = np.float32 if call.dtype in ("float16", "bfloat16") else dtype
+    weight, bias = np.ones(_COLS, param), np.zeros(_COLS, param)
+    y, mean, rstd = normlab.layer_norm(
+        x, weight=weight, bias=bias, return_stats=True, backend="numba"
+    )
+    if call.direction == "backward":
+        normlab.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
