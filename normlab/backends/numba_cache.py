@@ -13,12 +13,12 @@ directory, which may be read-only or shared.
 - readable only (a cache built into a read-only image): load; a signature not in it is compiled
   in the process and not saved;
 - neither (no home directory, a read-only file system): every kernel is compiled in the process,
-  and the ``normlab.compile`` logger says so once, at WARNING.
+  and the ``normlab.compile`` logger (:mod:`normlab.notices`: stderr by default,
+  ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from pathlib import Path
@@ -29,10 +29,10 @@ from numba.core import caching, config
 from numba.core.dispatcher import Dispatcher
 
 from normlab.backends.cache_dirs import access, cache_root, make_private_dirs
+from normlab.notices import compile_logger
 
 __all__ = ["KernelCacheLocator", "adopt", "kernel_cache_root"]
 
-logger: Final = logging.getLogger("normlab.compile")
 
 _PACKAGE: Final = Path(__file__).resolve().parents[1]
 _said_uncached = False
@@ -101,7 +101,7 @@ class _KernelCache(caching.FunctionCache):
             super().save_overload(sig, data)  # type: ignore[no-untyped-call]
         except OSError as exc:
             if access(Path(self.cache_path)) == "read":
-                logger.debug(
+                compile_logger().debug(
                     "read-only kernel cache %s: %s compiled in process", self.cache_path, sig
                 )
             else:
@@ -114,7 +114,7 @@ def _say_uncached(path: str, why: object) -> None:
         if _said_uncached:
             return
         _said_uncached = True
-    logger.warning(
+    compile_logger().warning(
         "no usable cache directory for normlab's Numba kernels (%s: %s); compiling them in "
         "this process, which costs seconds on the first call of each kind. Set "
         "NORMLAB_CACHE_DIR to a writable directory to cache them.",
