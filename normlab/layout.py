@@ -14,10 +14,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from normlab import arrays
 from normlab.dispatch import Choice
-from normlab.errors import ArgumentError, BackendError, NormlabError
-from normlab.spec import Plan, split_out
+from normlab.errors import BackendError, NormlabError
+from normlab.spec import Aliasing, Plan, output_aliasing, split_out
 
 __all__ = ["Route", "route", "run"]
 
@@ -154,50 +153,6 @@ def _flat(p: Any, plan: Plan) -> Any:
     return _contiguous(p, plan.family).reshape(plan.cols)
 
 
-def _same_memory(x: Any, out: Any, plan: Plan) -> bool:
-    """True when ``out`` is exactly ``x``'s memory; ArgumentError on a partial overlap."""
-    if out is x:
-        return True
-    if plan.family == "numpy":
-        np = sys.modules["numpy"]
-        if not np.may_share_memory(x, out):  # bounds only: cheap
-            return False
-        same_start = x.__array_interface__["data"][0] == out.__array_interface__["data"][0]
-        if same_start and x.strides == out.strides:
-            return True
-        if not np.shares_memory(x, out):
-            return False
-        raise _partial_overlap()
-    inspector = arrays.inspector(type(x))
-    start_x, start_o = inspector.address(x), arrays.inspector(type(out)).address(out)
-    if start_x is None or start_o is None:
-        return False
-    xi, oi = inspector.info(x), arrays.inspector(type(out)).info(out)
-    if start_x == start_o and xi.strides == oi.strides:
-        return True
-    if _overlaps(_extent(start_x, xi), _extent(start_o, oi)):
-        raise _partial_overlap()
-    return False
-
-
-def _partial_overlap() -> ArgumentError:
-    return ArgumentError(
-        "out partially overlaps x; pass out=x for an in-place call or a separate array"
-    )
-
-
-def _extent(start: int, info: arrays.ArrayInfo) -> tuple[int, int]:
-    if info.strides is None:
-        return (start, start)
-    spans = [(n - 1) * s for n, s in zip(info.shape, info.strides, strict=True) if n > 0]
-    low, high = sum(s for s in spans if s < 0), sum(s for s in spans if s > 0)
-    return (start + low * info.itemsize, start + (high + 1) * info.itemsize)
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
-
-
 # --------------------------------------------------------------------------------------------
 
 
@@ -223,18 +178,23 @@ def _run(
 ) -> Any:
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
     out_y, out_mean, out_rstd = split_out(plan.op, out)
+    aliasing: Aliasing = "separate"
+    if out is not None:
+        aliasing = output_aliasing(
+            plan.op,
+            {"x": x, "weight": weight, "bias": bias},
+            {"y": out_y, "mean": out_mean, "rstd": out_rstd},
+        )
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:
         r = r or route(plan, choice)
         x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
         backend_out = None
-        if out_y is not None and r.out_direct:
-            same = r.copy_x is None and _same_memory(x, out_y, plan)
-            if not same or r.inplace_ok:
+        if out_y is not None and r.out_direct and aliasing != "temporary":
+            in_place = aliasing == "in_place" and r.copy_x is None
+            if not in_place or r.inplace_ok:
                 backend_out = _to_rows(out_y, plan, r, copy=False)
-        elif out_y is not None:
-            _same_memory(x, out_y, plan)
         y2, mean1, rstd1 = r.function(
             x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
         )

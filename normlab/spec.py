@@ -15,7 +15,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 from normlab import arrays
 from normlab.arrays import ArrayInfo
@@ -24,7 +24,10 @@ from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError,
 __all__ = [
     "FLOAT_DTYPES",
     "HALF_DTYPES",
+    "IN_PLACE_PAIRS",
+    "Aliasing",
     "Plan",
+    "output_aliasing",
     "plan",
     "row_view_strides",
     "split_out",
@@ -468,3 +471,147 @@ def _check_out_array(
     if oi.requires_grad:
         raise ArgumentError(f"{name} requires grad; normlab cannot write into it in place")
     return oi
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs sharing memory with inputs. Per call (addresses are not metadata), and only when the
+# caller passes an output: the call without ``out`` never reaches this.
+
+#: Per op: the ``(output, input)`` pairs that may be the very same array object (``out is x``:
+#: an in-place call). Any other output sharing memory with an input or another output is an
+#: ArgumentError. The backward ops write fresh arrays only; they list no pair.
+IN_PLACE_PAIRS: Final[dict[str, frozenset[tuple[str, str]]]] = {
+    "layer_norm": frozenset({("y", "x")}),
+    "rms_norm": frozenset({("y", "x")}),
+    "layer_norm_backward": frozenset(),
+    "rms_norm_backward": frozenset(),
+}
+#: Bound on the work of one exact overlap test (``numpy.shares_memory(max_work=...)``).
+OVERLAP_MAX_WORK: Final = 1 << 16
+
+#: What :func:`output_aliasing` found: ``y`` is written directly (``"separate"``), in place
+#: (``"in_place"``: ``out is x``), or through a temporary because an overlap with an input could
+#: not be ruled out within :data:`OVERLAP_MAX_WORK` (``"temporary"``).
+Aliasing = Literal["separate", "in_place", "temporary"]
+
+
+def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> Aliasing:
+    """Check that no output shares memory with an input or with another output, except the
+    pairs :data:`IN_PLACE_PAIRS` lists for ``op`` when they are the same object.
+
+    ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
+    arrays or None. The test is exact (element by element, never by bounds), reads only each
+    array's address, shape and strides — never its data — and is bounded in work. Statistics
+    outputs are always written after the kernel has read every input, so only ``y`` needs a
+    temporary when an overlap is undecided. Raises ArgumentError naming both arrays.
+    """
+    allowed = IN_PLACE_PAIRS[op]
+    given_in = [(n, a) for n, a in inputs.items() if a is not None]
+    given_out = [(n, o) for n, o in outputs.items() if o is not None]
+    result: Aliasing = "separate"
+    for i, (name, o) in enumerate(given_out):
+        for other_name, other in given_out[:i]:
+            if other is o or _shares_memory(o, other) is not False:
+                raise ArgumentError(
+                    f"out ({name}) and out ({other_name}) share memory; pass separate arrays"
+                )
+        for in_name, a in given_in:
+            if o is a and (name, in_name) in allowed:
+                result = "temporary" if result == "temporary" else "in_place"
+                continue
+            shared = _shares_memory(o, a)
+            if shared is None and name == "y":
+                result = "temporary"
+            elif shared:
+                hint = " (out=x itself is an in-place call)" if (name, in_name) in allowed else ""
+                raise ArgumentError(
+                    f"out ({name}) shares memory with {in_name}{hint}; pass a separate array"
+                )
+    return result
+
+
+def _shares_memory(a: Any, b: Any) -> bool | None:
+    """Whether ``a`` and ``b`` have an element in common; None when undecided within
+    :data:`OVERLAP_MAX_WORK`. Arrays without addressable memory (JAX, Dask) share none."""
+    np = _numpy()
+    if type(a) is np.ndarray and type(b) is np.ndarray:  # the common case: no layouts to read
+        if not np.may_share_memory(a, b):  # bounds only: cheap
+            return False
+        va, vb = (v.view(f"u{v.itemsize}") for v in (a, b))  # bfloat16 as integers
+    else:
+        la, lb = _byte_layout(a), _byte_layout(b)
+        if la is None or lb is None or not _extents_overlap(la, lb):
+            return False
+        va, vb = _memory_view(la), _memory_view(lb)
+    try:
+        return bool(np.shares_memory(va, vb, max_work=OVERLAP_MAX_WORK))
+    except np.exceptions.TooHardError:
+        return None
+
+
+#: An array's memory as NumPy's overlap solver needs it: address of element 0, shape, byte
+#: strides, item size.
+_ByteLayout = tuple[int, tuple[int, ...], tuple[int, ...], int]
+
+
+def _byte_layout(a: Any) -> _ByteLayout | None:
+    """``a``'s :data:`_ByteLayout`, or None when it has no addressable memory or no element."""
+    inspector = arrays.inspector(type(a))
+    address = inspector.address(a)
+    if address is None:
+        return None
+    info = inspector.info(a)
+    if math.prod(info.shape) == 0:
+        return None
+    if info.strides is not None:
+        strides = tuple(s * info.itemsize for s in info.strides)
+    else:
+        strides = tuple(a.strides)  # NumPy/CuPy byte strides that are not whole elements
+    return address, info.shape, strides, info.itemsize
+
+
+def _extents_overlap(a: _ByteLayout, b: _ByteLayout) -> bool:
+    (start_a, end_a), (start_b, end_b) = _extent(a), _extent(b)
+    return start_a < end_b and start_b < end_a
+
+
+def _extent(layout: _ByteLayout) -> tuple[int, int]:
+    """The bytes ``[first, last + 1)`` an array's elements span."""
+    address, shape, strides, itemsize = layout
+    low = high = address
+    for n, s in zip(shape, strides, strict=True):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + itemsize
+
+
+class _Extent:
+    """An object NumPy reads as an array at a raw address (``__array_interface__``): NumPy's
+    overlap solver sees the address, shape and strides; the memory itself is never read."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+def _memory_view(layout: _ByteLayout) -> Any:
+    """A NumPy array of unsigned integers at ``layout``'s address (any family, any device;
+    device addresses are only compared, never dereferenced)."""
+    address, shape, strides, itemsize = layout
+    interface = {
+        "version": 3,
+        "shape": shape,
+        "typestr": f"<u{itemsize}",
+        "data": (address, True),
+        "strides": strides,
+    }
+    return _numpy().asarray(_Extent(interface))
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy
