@@ -509,9 +509,10 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
     given_out = [(n, o) for n, o in outputs.items() if o is not None]
     result: Aliasing = "separate"
+    seen: dict[int, Any] = {}
     for i, (name, o) in enumerate(given_out):
         for other_name, other in given_out[:i]:
-            if other is o or _shares_memory(o, other) is not False:
+            if other is o or _shares_memory(o, other, seen) is not False:
                 raise ArgumentError(
                     f"out ({name}) and out ({other_name}) share memory; pass separate arrays"
                 )
@@ -519,7 +520,7 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
             if o is a and (name, in_name) in allowed:
                 result = "temporary" if result == "temporary" else "in_place"
                 continue
-            shared = _shares_memory(o, a)
+            shared = _shares_memory(o, a, seen)
             if shared is None and name == "y":
                 result = "temporary"
             elif shared:
@@ -530,52 +531,41 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     return result
 
 
-def _shares_memory(a: Any, b: Any) -> bool | None:
+def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool | None:
     """Whether ``a`` and ``b`` have an element in common; None when undecided within
-    :data:`OVERLAP_MAX_WORK`. Arrays without addressable memory (JAX, Dask) share none."""
+    :data:`OVERLAP_MAX_WORK`. Arrays without addressable memory (JAX, Dask) share none.
+    ``seen`` keeps each array's memory and extent for the other pairs of one call."""
     np = _numpy()
     if type(a) is np.ndarray and type(b) is np.ndarray:  # the common case: no layouts to read
         if not np.may_share_memory(a, b):  # bounds only: cheap
             return False
         va, vb = (v.view(f"u{v.itemsize}") for v in (a, b))  # bfloat16 as integers
     else:
-        la, lb = _byte_layout(a), _byte_layout(b)
-        if la is None or lb is None or not _extents_overlap(la, lb):
-            return False
-        va, vb = _memory_view(la), _memory_view(lb)
+        seen = {} if seen is None else seen
+        ma, mb = _located(a, seen), _located(b, seen)
+        if ma is None or mb is None or not (ma[1][0] < mb[1][1] and mb[1][0] < ma[1][1]):
+            return False  # bounds only: cheap
+        va, vb = _memory_view(ma[0]), _memory_view(mb[0])
     try:
         return bool(np.shares_memory(va, vb, max_work=OVERLAP_MAX_WORK))
     except np.exceptions.TooHardError:
         return None
 
 
-#: An array's memory as NumPy's overlap solver needs it: address of element 0, shape, byte
-#: strides, item size.
-_ByteLayout = tuple[int, tuple[int, ...], tuple[int, ...], int]
+def _located(a: Any, seen: dict[int, Any]) -> tuple[arrays.Memory, tuple[int, int]] | None:
+    """``a``'s memory and the bytes ``[first, last + 1)`` it spans (None: no addressable
+    element), computed once per array and call."""
+    if id(a) in seen:
+        return seen[id(a)]  # type: ignore[no-any-return]
+    memory = arrays.inspector(type(a)).memory(a)
+    result = None
+    if memory is not None and math.prod(memory.shape) > 0:
+        result = memory, _extent(memory)
+    seen[id(a)] = result
+    return result
 
 
-def _byte_layout(a: Any) -> _ByteLayout | None:
-    """``a``'s :data:`_ByteLayout`, or None when it has no addressable memory or no element."""
-    inspector = arrays.inspector(type(a))
-    address = inspector.address(a)
-    if address is None:
-        return None
-    info = inspector.info(a)
-    if math.prod(info.shape) == 0:
-        return None
-    if info.strides is not None:
-        strides = tuple(s * info.itemsize for s in info.strides)
-    else:
-        strides = tuple(a.strides)  # NumPy/CuPy byte strides that are not whole elements
-    return address, info.shape, strides, info.itemsize
-
-
-def _extents_overlap(a: _ByteLayout, b: _ByteLayout) -> bool:
-    (start_a, end_a), (start_b, end_b) = _extent(a), _extent(b)
-    return start_a < end_b and start_b < end_a
-
-
-def _extent(layout: _ByteLayout) -> tuple[int, int]:
+def _extent(layout: arrays.Memory) -> tuple[int, int]:
     """The bytes ``[first, last + 1)`` an array's elements span."""
     address, shape, strides, itemsize = layout
     low = high = address
@@ -597,7 +587,7 @@ class _Extent:
         self.__array_interface__ = interface
 
 
-def _memory_view(layout: _ByteLayout) -> Any:
+def _memory_view(layout: arrays.Memory) -> Any:
     """A NumPy array of unsigned integers at ``layout``'s address (any family, any device;
     device addresses are only compared, never dereferenced)."""
     address, shape, strides, itemsize = layout
