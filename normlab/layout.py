@@ -132,6 +132,15 @@ def _copy_into(dst: Any, src: Any, family: str) -> None:
         dst[...] = src
 
 
+def _mark_written(a: Any, family: str) -> None:
+    """Tell ``a``'s library that a backend wrote ``a`` through its memory, behind the library's
+    back: a torch tensor's version counter is bumped, as torch's own in-place operations do, so
+    that a graph which saved ``a`` for its backward refuses the modified values instead of
+    using them. (Copies into ``out`` made with the library's own operations count already.)"""
+    if family == "torch":
+        sys.modules["torch"].autograd.graph.increment_version(a)
+
+
 def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
     if plan.permutation is not None:
         a = _permute(a, plan.family, plan.permutation)
@@ -202,6 +211,7 @@ def _run(
             _copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape), plan.family)
             y = out_y
         elif out_y is not None:
+            _mark_written(out_y, plan.family)
             y = out_y
         else:
             y = _from_rows(y2, plan, r, r.permuted_shape)
