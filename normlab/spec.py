@@ -477,9 +477,10 @@ def _check_out_array(
 # Outputs sharing memory with inputs. Per call (addresses are not metadata), and only when the
 # caller passes an output: the call without ``out`` never reaches this.
 
-#: Per op: the ``(output, input)`` pairs that may be the very same array object (``out is x``:
-#: an in-place call). Any other output sharing memory with an input or another output is an
-#: ArgumentError. The backward ops write fresh arrays only; they list no pair.
+#: Per op: the ``(output, input)`` pairs that may be the very same array (``out is x``, or a
+#: view of exactly x's elements: an in-place call). Any other output sharing memory with an
+#: input or another output is an ArgumentError. The backward ops write fresh arrays only; they
+#: list no pair.
 IN_PLACE_PAIRS: Final[dict[str, frozenset[tuple[str, str]]]] = {
     "layer_norm": frozenset({("y", "x")}),
     "rms_norm": frozenset({("y", "x")}),
@@ -497,7 +498,8 @@ Aliasing = Literal["separate", "in_place", "temporary"]
 
 def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> Aliasing:
     """Check that no output shares memory with an input or with another output, except the
-    pairs :data:`IN_PLACE_PAIRS` lists for ``op`` when they are the same object.
+    pairs :data:`IN_PLACE_PAIRS` lists for ``op`` when they are the same array (the same object,
+    or views of exactly the same elements).
 
     ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
     arrays or None. The test is exact (element by element, never by bounds), reads only each
@@ -517,7 +519,7 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
                     f"out ({name}) and out ({other_name}) share memory; pass separate arrays"
                 )
         for in_name, a in given_in:
-            if o is a and (name, in_name) in allowed:
+            if (name, in_name) in allowed and (o is a or _same_elements(o, a, seen)):
                 result = "temporary" if result == "temporary" else "in_place"
                 continue
             shared = _shares_memory(o, a, seen)
@@ -550,6 +552,13 @@ def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool |
         return bool(np.shares_memory(va, vb, max_work=OVERLAP_MAX_WORK))
     except np.exceptions.TooHardError:
         return None
+
+
+def _same_elements(a: Any, b: Any, seen: dict[int, Any]) -> bool:
+    """Whether ``a`` and ``b`` are views of the very same elements (same first address, shape,
+    strides and item size): ``out=x[:, ::2]`` for ``x[:, ::2]`` is an in-place call."""
+    la, lb = _located(a, seen), _located(b, seen)
+    return la is not None and lb is not None and la[0] == lb[0]
 
 
 def _located(a: Any, seen: dict[int, Any]) -> tuple[arrays.Memory, tuple[int, int]] | None:

@@ -94,6 +94,14 @@ def test_in_place_with_separate_weight_still_works(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_view_of_exactly_x_is_in_place(backend: str) -> None:
+    buffer = _convert(_x(3, 16), backend)
+    expected, _, _ = reference.layer_norm(_numpy(buffer[:, ::2]).copy())
+    normlab.layer_norm(buffer[:, ::2], out=buffer[:, ::2], backend=backend)
+    np.testing.assert_allclose(_numpy(buffer[:, ::2]), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_interleaved_columns_sharing_no_element_are_accepted(backend: str) -> None:
     buffer = _convert(_x(3, 16), backend)
     x, out = buffer[:, ::2], buffer[:, 1::2]

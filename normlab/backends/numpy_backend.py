@@ -9,6 +9,9 @@ buffer that stays in cache, with the shifted two-pass formula::
     y    = (x - mean) * rstd * weight + bias
 
 float16 and bfloat16 are computed in float32 and rounded once when the block is stored.
+A row longer than a block is normalized alone in column segments (:func:`_long_rows`): segment
+moments merged with Chan's formula, so accuracy does not degrade with the row's length and
+scratch stays one block.
 RMSNorm runs the same loop without the centring: ``rstd = 1 / sqrt(mean(x^2) + eps)``.
 
 Two rows-sized checks keep the fast path exact at the edges of the float range: a row whose
@@ -25,6 +28,7 @@ double as scratch: x must stay readable until its block is done.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import numpy as np
@@ -101,6 +105,9 @@ def _normalize_blocks(
     b = None if bias is None else bias.astype(compute, copy=False)
     means = np.empty(rows, compute) if plan.return_stats and centre else None
     rstds = np.empty(rows, compute) if plan.return_stats else None
+    if cols * compute.itemsize > BLOCK_BYTES:
+        _long_rows(x, y, w, b, plan, means, rstds, centre)
+        return y, means, rstds
     block = max(1, BLOCK_BYTES // (cols * compute.itemsize))
     # The result block doubles as scratch when it already has the compute dtype and C layout,
     # and is not x's memory (in place): a row recomputed by _wide_rows reads x after the pass.
@@ -161,6 +168,79 @@ def _normalize_blocks(
             if rstds is not None:
                 rstds[start + bad] = wide[2]
     return y, means, rstds
+
+
+def _long_rows(
+    x: np.ndarray,
+    y: np.ndarray,
+    w: np.ndarray | None,
+    b: np.ndarray | None,
+    plan: Plan,
+    means: np.ndarray | None,
+    rstds: np.ndarray | None,
+    centre: bool,
+) -> None:
+    """Rows longer than a block, one at a time, in column segments of :data:`BLOCK_BYTES`:
+    each segment's (mean, M2) by the shifted two-pass in the compute dtype, merged in segment
+    order in float64 with Chan's formula (``delta = mean_b - mean_a``, ``mean += delta * nb / n``,
+    ``m2 += m2_b + delta^2 * na * nb / n``), then y segment by segment. Scratch is one segment,
+    whatever the row's length: peak memory is y plus O(block). A row whose statistics do not
+    hold (see :func:`_wide_rows`) is redone there, in float64 (a row-sized copy: rare)."""
+    compute = np.dtype(plan.compute_dtype)
+    cols = plan.cols
+    segment = BLOCK_BYTES // compute.itemsize
+    scratch = np.empty(segment, compute)
+    ones = np.ones(segment, compute)
+    tiny = np.finfo(compute).tiny
+    eps_tiny = plan.eps < tiny / np.finfo(compute).eps
+    cap = np.finfo(compute).max
+    for i in range(plan.rows):
+        xr, yr = x[i], y[i]
+        count, mean, m2 = 0, 0.0, 0.0
+        for start in range(0, cols, segment):
+            stop = min(start + segment, cols)
+            n = stop - start
+            t = scratch[:n]
+            np.copyto(t, xr[start:stop], casting="unsafe")
+            seg_mean = 0.0
+            if centre:
+                x0 = t[0].copy()
+                t -= x0
+                shift = np.vecdot(t, ones[:n]) / compute.type(n)
+                t -= shift
+                seg_mean = float(x0) + float(shift)
+            seg_m2 = float(np.vecdot(t, t))
+            total = count + n
+            delta = seg_mean - mean
+            mean += delta * (n / total)
+            m2 += seg_m2 + delta * delta * (count * (n / total))
+            count = total
+        var = m2 / cols
+        if not np.isfinite(var) or (eps_tiny and var < tiny):
+            yw, mean_w, rstd_w = _wide_rows(xr[None], w, b, plan.eps, centre)
+            yr[...] = yw[0]
+            mean, rstd = float(mean_w[0]), float(rstd_w[0])
+        else:
+            rstd = 1.0 / math.sqrt(var + plan.eps) if var + plan.eps > 0 else math.inf
+            mean_hi = compute.type(mean)
+            mean_lo = compute.type(mean - float(mean_hi))
+            factor = compute.type(min(rstd, cap) if plan.eps > 0 else rstd)
+            for start in range(0, cols, segment):
+                stop = min(start + segment, cols)
+                t = scratch[: stop - start]
+                np.copyto(t, xr[start:stop], casting="unsafe")
+                t -= mean_hi
+                t -= mean_lo
+                t *= factor
+                if w is not None:
+                    t *= w[start:stop]
+                if b is not None:
+                    t += b[start:stop]
+                yr[start:stop] = t
+        if means is not None:
+            means[i] = mean
+        if rstds is not None:
+            rstds[i] = rstd
 
 
 def _wide_rows(
