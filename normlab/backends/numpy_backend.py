@@ -47,6 +47,12 @@ __all__ = [
 
 #: Bytes of compute-dtype scratch per block: small enough to stay in L2 on most CPUs.
 BLOCK_BYTES: Final = 512 * 1024
+#: Per compute dtype: its smallest normal number (a row's mean square below it has lost
+#: precision) and the eps from which that loss is hidden (tiny / machine epsilon).
+UNDERFLOW: Final = {
+    name: (float(np.finfo(name).tiny), float(np.finfo(name).tiny / np.finfo(name).eps))
+    for name in ("float32", "float64")
+}
 #: Rows recomputed by _wide_rows are scaled by 2^k, |k| at most this (float64 normal range).
 SCALE_LIMIT: Final = 1000
 
@@ -118,8 +124,8 @@ def _normalize_blocks(
     capped = plan.eps > 0 and 1.0 / np.sqrt(plan.eps) > cap
     # a mean square below the smallest normal number has lost precision; it matters only when
     # eps does not dwarf the error
-    tiny = np.finfo(compute).tiny
-    eps_tiny = plan.eps < tiny / np.finfo(compute).eps
+    tiny, hidden_from = UNDERFLOW[plan.compute_dtype]
+    eps_tiny = plan.eps < hidden_from
     scratch = None if y_is_scratch else np.empty((min(block, rows), cols), compute)
     ones = np.ones(cols, compute)  # row sums as dot products: vectorised, one row at a time
     for start in range(0, rows, block):
@@ -191,8 +197,8 @@ def _long_rows(
     segment = BLOCK_BYTES // compute.itemsize
     scratch = np.empty(segment, compute)
     ones = np.ones(segment, compute)
-    tiny = np.finfo(compute).tiny
-    eps_tiny = plan.eps < tiny / np.finfo(compute).eps
+    tiny, hidden_from = UNDERFLOW[plan.compute_dtype]
+    eps_tiny = plan.eps < hidden_from
     cap = np.finfo(compute).max
     for i in range(plan.rows):
         xr, yr = x[i], y[i]
