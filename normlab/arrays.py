@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from normlab.errors import DtypeError, LayoutError
 
@@ -58,6 +58,16 @@ class ArrayInfo:
         return len(self.shape)
 
 
+class Memory(NamedTuple):
+    """Where an array's elements lie: the address of element 0, the shape, the strides in bytes
+    and the item size. Device addresses too: they are compared, never dereferenced."""
+
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+
 def _dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)
     if isinstance(name, str):
@@ -97,6 +107,16 @@ class Inspector:
     def address(self, x: Any) -> int | None:
         """The address of element 0, or ``None`` when the library has no addressable memory."""
         return None
+
+    def memory(self, x: Any) -> Memory | None:
+        """Where ``x``'s elements lie (for overlap tests), or ``None`` without addressable memory
+        or strides."""
+        address = self.address(x)
+        info = self.info(x)
+        if address is None or info.strides is None:
+            return None
+        strides = tuple(s * info.itemsize for s in info.strides)
+        return Memory(address, info.shape, strides, info.itemsize)
 
     def _device(self, x: Any) -> str:
         import array_api_compat
@@ -151,6 +171,9 @@ class NumpyInspector(Inspector):
     def address(self, x: Any) -> int:
         return int(x.__array_interface__["data"][0])
 
+    def memory(self, x: Any) -> Memory:
+        return Memory(self.address(x), x.shape, x.strides, x.itemsize)
+
 
 class TorchInspector(Inspector):
     def key(self, x: Any) -> tuple[Any, ...]:
@@ -185,6 +208,10 @@ class TorchInspector(Inspector):
     def address(self, x: Any) -> int:
         return int(x.data_ptr())
 
+    def memory(self, x: Any) -> Memory:
+        size = x.element_size()
+        return Memory(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), size)
+
 
 class CupyInspector(Inspector):
     def key(self, x: Any) -> tuple[Any, ...]:
@@ -209,6 +236,9 @@ class CupyInspector(Inspector):
 
     def address(self, x: Any) -> int:
         return int(x.data.ptr)
+
+    def memory(self, x: Any) -> Memory:
+        return Memory(self.address(x), x.shape, x.strides, x.itemsize)
 
 
 class JaxInspector(Inspector):

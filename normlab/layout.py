@@ -14,11 +14,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from normlab import arrays
 from normlab.dispatch import Choice
-from normlab.errors import ArgumentError, BackendError, NormlabError
+from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
-from normlab.spec import Plan, split_out
+from normlab.spec import Aliasing, Plan, output_aliasing, split_out
 
 __all__ = ["Route", "native", "route", "run"]
 
@@ -140,6 +139,15 @@ def _copy_into(dst: Any, src: Any, family: str) -> None:
         dst[...] = src
 
 
+def _mark_written(a: Any, family: str) -> None:
+    """Tell ``a``'s library that a backend wrote ``a`` through its memory, behind the library's
+    back: a torch tensor's version counter is bumped, as torch's own in-place operations do, so
+    that a graph which saved ``a`` for its backward refuses the modified values instead of
+    using them. (Copies into ``out`` made with the library's own operations count already.)"""
+    if family == "torch":
+        sys.modules["torch"].autograd.graph.increment_version(a)
+
+
 def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
     if plan.permutation is not None:
         a = _permute(a, plan.family, plan.permutation)
@@ -159,50 +167,6 @@ def _flat(p: Any, plan: Plan) -> Any:
     if p is None or len(plan.normalized_shape) == 1:
         return p
     return _contiguous(p, plan.family).reshape(plan.cols)
-
-
-def _same_memory(x: Any, out: Any, plan: Plan) -> bool:
-    """True when ``out`` is exactly ``x``'s memory; ArgumentError on a partial overlap."""
-    if out is x:
-        return True
-    if plan.family == "numpy":
-        np = sys.modules["numpy"]
-        if not np.may_share_memory(x, out):  # bounds only: cheap
-            return False
-        same_start = x.__array_interface__["data"][0] == out.__array_interface__["data"][0]
-        if same_start and x.strides == out.strides:
-            return True
-        if not np.shares_memory(x, out):
-            return False
-        raise _partial_overlap()
-    inspector = arrays.inspector(type(x))
-    start_x, start_o = inspector.address(x), arrays.inspector(type(out)).address(out)
-    if start_x is None or start_o is None:
-        return False
-    xi, oi = inspector.info(x), arrays.inspector(type(out)).info(out)
-    if start_x == start_o and xi.strides == oi.strides:
-        return True
-    if _overlaps(_extent(start_x, xi), _extent(start_o, oi)):
-        raise _partial_overlap()
-    return False
-
-
-def _partial_overlap() -> ArgumentError:
-    return ArgumentError(
-        "out partially overlaps x; pass out=x for an in-place call or a separate array"
-    )
-
-
-def _extent(start: int, info: arrays.ArrayInfo) -> tuple[int, int]:
-    if info.strides is None:
-        return (start, start)
-    spans = [(n - 1) * s for n, s in zip(info.shape, info.strides, strict=True) if n > 0]
-    low, high = sum(s for s in spans if s < 0), sum(s for s in spans if s > 0)
-    return (start + low * info.itemsize, start + (high + 1) * info.itemsize)
-
-
-def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +198,13 @@ def _run(
 ) -> Any:
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
     out_y, out_mean, out_rstd = split_out(plan.op, out)
+    aliasing: Aliasing = "separate"
+    if out is not None:
+        aliasing = output_aliasing(
+            plan.op,
+            {"x": x, "weight": weight, "bias": bias},
+            {"y": out_y, "mean": out_mean, "rstd": out_rstd},
+        )
     if plan.non_native:  # x itself is copied by the route (copy_x)
         weight, bias = native(weight), native(bias)
     if plan.empty:
@@ -242,12 +213,10 @@ def _run(
         r = r or route(plan, choice)
         x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
         backend_out = None
-        if out_y is not None and r.out_direct:
-            same = r.copy_x is None and _same_memory(x, out_y, plan)
-            if not same or r.inplace_ok:
+        if out_y is not None and r.out_direct and aliasing != "temporary":
+            in_place = aliasing == "in_place" and r.copy_x is None
+            if not in_place or r.inplace_ok:
                 backend_out = _to_rows(out_y, plan, r, copy=False)
-        elif out_y is not None:
-            _same_memory(x, out_y, plan)
         y2, mean1, rstd1 = r.function(
             x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
         )
@@ -255,6 +224,7 @@ def _run(
             _copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape), plan.family)
             y = out_y
         elif out_y is not None:
+            _mark_written(out_y, plan.family)
             y = out_y
         else:
             y = _from_rows(y2, plan, r, r.permuted_shape)

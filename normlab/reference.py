@@ -2,7 +2,10 @@
 
 Every input is converted to float64 NumPy first; statistics use the shifted two-pass form
 (``mean = x0 + mean(x - x0)``, then the centred sum of squares), so constant rows give exactly
-``bias`` and large offsets stay accurate.
+``bias`` and large offsets stay accurate. Each row is divided by a power of two ``s`` (its
+largest magnitude / s in [1, 2)) before it is squared, which is exact and changes nothing but
+the range: ``y = (x/s - mean/s) / sqrt(var/s^2 + eps/s^2)``, so rows anywhere in float64's
+finite range (1e-300 as 1e300) are accurate. A constant row with eps = 0 gives NaN (0 / 0).
 """
 
 from __future__ import annotations
@@ -46,17 +49,20 @@ def layer_norm(
     ``weight``/``bias`` have the normalized shape (``x.shape[a]`` for the sorted axes).
     """
     rows, restore = _rows(to_float64(x), normalized_shape, axis)
-    x0 = rows[:, :1]
-    mean = x0 + (rows - x0).mean(axis=1, keepdims=True)
-    centred = rows - mean
+    s = _scale(rows)
+    scaled = rows / s
+    x0 = scaled[:, :1]
+    mean = x0 + (scaled - x0).mean(axis=1, keepdims=True)
+    centred = scaled - mean
     var = np.mean(centred * centred, axis=1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + np.float64(eps))
-    y = centred * rstd
+    rstd = _rstd(var, float(eps), s)
+    with np.errstate(invalid="ignore"):  # 0 * inf: a constant row with eps = 0 is NaN
+        y = centred * rstd
     if weight is not None:
         y = y * to_float64(weight).reshape(1, -1)
     if bias is not None:
         y = y + to_float64(bias).reshape(1, -1)
-    result: tuple[np.ndarray, np.ndarray, np.ndarray] = restore(y, mean, rstd)
+    result: tuple[np.ndarray, np.ndarray, np.ndarray] = restore(y, mean * s, rstd / s)
     return result
 
 
@@ -75,12 +81,40 @@ def rms_norm(
     if eps is None:
         eps = MACHINE_EPS[np.asarray(x).dtype.name]
     rows, restore = _rows(to_float64(x), normalized_shape, axis)
-    rstd = 1.0 / np.sqrt(np.mean(rows * rows, axis=1, keepdims=True) + np.float64(eps))
-    y = rows * rstd
+    s = _scale(rows)
+    scaled = rows / s
+    rstd = _rstd(np.mean(scaled * scaled, axis=1, keepdims=True), float(eps), s)
+    with np.errstate(invalid="ignore"):  # 0 * inf: a row of zeros with eps = 0 is NaN
+        y = scaled * rstd
     if weight is not None:
         y = y * to_float64(weight).reshape(1, -1)
-    y_full, _, rstd_full = restore(y, rstd, rstd)
+    y_full, _, rstd_full = restore(y, rstd, rstd / s)
     return y_full, rstd_full
+
+
+def _scale(rows: np.ndarray) -> np.ndarray:
+    """Per row: ``2^k`` with the row's largest magnitude / 2^k in [1, 2), keepdims (1 for a row
+    of zeros or holding NaN/Inf; |k| <= 1000, so that 1/2^k is finite)."""
+    if rows.shape[1] == 0:
+        return np.ones((rows.shape[0], 1))
+    largest = np.max(np.abs(rows), axis=1, keepdims=True)
+    largest = np.where(np.isfinite(largest), largest, 0.0)
+    _, exponent = np.frexp(largest)
+    s: np.ndarray = np.ldexp(1.0, np.clip(np.where(largest > 0, exponent - 1, 0), -1000, 1000))
+    return s
+
+
+def _rstd(mean_square: np.ndarray, eps: float, s: np.ndarray) -> np.ndarray:
+    """``rstd * s`` for rows scaled by ``s``: ``1 / sqrt(mean_square + eps / s^2)``; where
+    ``eps / s^2`` overflows, eps dwarfs the variance: ``s / sqrt(eps)``."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        scaled_eps = eps / s / s
+        finite = np.isfinite(scaled_eps)
+        wide = s / np.sqrt(eps) if eps > 0 else s
+        rstd: np.ndarray = np.where(
+            finite, 1.0 / np.sqrt(mean_square + np.where(finite, scaled_eps, 0.0)), wide
+        )
+    return rstd
 
 
 def _rows(x64: np.ndarray, normalized_shape: Any, axis: Any) -> tuple[np.ndarray, Any]:

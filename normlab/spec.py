@@ -15,7 +15,7 @@ import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
 
 from normlab import arrays
 from normlab.arrays import ArrayInfo
@@ -24,8 +24,11 @@ from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError,
 __all__ = [
     "FLOAT_DTYPES",
     "HALF_DTYPES",
+    "IN_PLACE_PAIRS",
+    "Aliasing",
     "Plan",
     "non_native",
+    "output_aliasing",
     "plan",
     "row_view_strides",
     "split_out",
@@ -522,3 +525,146 @@ def _check_out_array(
     if oi.requires_grad:
         raise ArgumentError(f"{name} requires grad; normlab cannot write into it in place")
     return oi
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs sharing memory with inputs. Per call (addresses are not metadata), and only when the
+# caller passes an output: the call without ``out`` never reaches this.
+
+#: Per op: the ``(output, input)`` pairs that may be the very same array (``out is x``, or a
+#: view of exactly x's elements: an in-place call). Any other output sharing memory with an
+#: input or another output is an ArgumentError. The backward ops write fresh arrays only; they
+#: list no pair.
+IN_PLACE_PAIRS: Final[dict[str, frozenset[tuple[str, str]]]] = {
+    "layer_norm": frozenset({("y", "x")}),
+    "rms_norm": frozenset({("y", "x")}),
+    "layer_norm_backward": frozenset(),
+    "rms_norm_backward": frozenset(),
+}
+#: Bound on the work of one exact overlap test (``numpy.shares_memory(max_work=...)``).
+OVERLAP_MAX_WORK: Final = 1 << 16
+
+#: What :func:`output_aliasing` found: ``y`` is written directly (``"separate"``), in place
+#: (``"in_place"``: ``out is x``), or through a temporary because an overlap with an input could
+#: not be ruled out within :data:`OVERLAP_MAX_WORK` (``"temporary"``).
+Aliasing = Literal["separate", "in_place", "temporary"]
+
+
+def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> Aliasing:
+    """Check that no output shares memory with an input or with another output, except the
+    pairs :data:`IN_PLACE_PAIRS` lists for ``op`` when they are the same array (the same object,
+    or views of exactly the same elements).
+
+    ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
+    arrays or None. The test is exact (element by element, never by bounds), reads only each
+    array's address, shape and strides — never its data — and is bounded in work. Statistics
+    outputs are always written after the kernel has read every input, so only ``y`` needs a
+    temporary when an overlap is undecided. Raises ArgumentError naming both arrays.
+    """
+    allowed = IN_PLACE_PAIRS[op]
+    given_in = [(n, a) for n, a in inputs.items() if a is not None]
+    given_out = [(n, o) for n, o in outputs.items() if o is not None]
+    result: Aliasing = "separate"
+    seen: dict[int, Any] = {}
+    for i, (name, o) in enumerate(given_out):
+        for other_name, other in given_out[:i]:
+            if other is o or _shares_memory(o, other, seen) is not False:
+                raise ArgumentError(
+                    f"out ({name}) and out ({other_name}) share memory; pass separate arrays"
+                )
+        for in_name, a in given_in:
+            if (name, in_name) in allowed and (o is a or _same_elements(o, a, seen)):
+                result = "temporary" if result == "temporary" else "in_place"
+                continue
+            shared = _shares_memory(o, a, seen)
+            if shared is None and name == "y":
+                result = "temporary"
+            elif shared:
+                hint = " (out=x itself is an in-place call)" if (name, in_name) in allowed else ""
+                raise ArgumentError(
+                    f"out ({name}) shares memory with {in_name}{hint}; pass a separate array"
+                )
+    return result
+
+
+def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool | None:
+    """Whether ``a`` and ``b`` have an element in common; None when undecided within
+    :data:`OVERLAP_MAX_WORK`. Arrays without addressable memory (JAX, Dask) share none.
+    ``seen`` keeps each array's memory and extent for the other pairs of one call."""
+    np = _numpy()
+    if type(a) is np.ndarray and type(b) is np.ndarray:  # the common case: no layouts to read
+        if not np.may_share_memory(a, b):  # bounds only: cheap
+            return False
+        va, vb = (v.view(f"u{v.itemsize}") for v in (a, b))  # bfloat16 as integers
+    else:
+        seen = {} if seen is None else seen
+        ma, mb = _located(a, seen), _located(b, seen)
+        if ma is None or mb is None or not (ma[1][0] < mb[1][1] and mb[1][0] < ma[1][1]):
+            return False  # bounds only: cheap
+        va, vb = _memory_view(ma[0]), _memory_view(mb[0])
+    try:
+        return bool(np.shares_memory(va, vb, max_work=OVERLAP_MAX_WORK))
+    except np.exceptions.TooHardError:
+        return None
+
+
+def _same_elements(a: Any, b: Any, seen: dict[int, Any]) -> bool:
+    """Whether ``a`` and ``b`` are views of the very same elements (same first address, shape,
+    strides and item size): ``out=x[:, ::2]`` for ``x[:, ::2]`` is an in-place call."""
+    la, lb = _located(a, seen), _located(b, seen)
+    return la is not None and lb is not None and la[0] == lb[0]
+
+
+def _located(a: Any, seen: dict[int, Any]) -> tuple[arrays.Memory, tuple[int, int]] | None:
+    """``a``'s memory and the bytes ``[first, last + 1)`` it spans (None: no addressable
+    element), computed once per array and call."""
+    if id(a) in seen:
+        return seen[id(a)]  # type: ignore[no-any-return]
+    memory = arrays.inspector(type(a)).memory(a)
+    result = None
+    if memory is not None and math.prod(memory.shape) > 0:
+        result = memory, _extent(memory)
+    seen[id(a)] = result
+    return result
+
+
+def _extent(layout: arrays.Memory) -> tuple[int, int]:
+    """The bytes ``[first, last + 1)`` an array's elements span."""
+    address, shape, strides, itemsize = layout
+    low = high = address
+    for n, s in zip(shape, strides, strict=True):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + itemsize
+
+
+class _Extent:
+    """An object NumPy reads as an array at a raw address (``__array_interface__``): NumPy's
+    overlap solver sees the address, shape and strides; the memory itself is never read."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__array_interface__ = interface
+
+
+def _memory_view(layout: arrays.Memory) -> Any:
+    """A NumPy array of unsigned integers at ``layout``'s address (any family, any device;
+    device addresses are only compared, never dereferenced)."""
+    address, shape, strides, itemsize = layout
+    interface = {
+        "version": 3,
+        "shape": shape,
+        "typestr": f"<u{itemsize}",
+        "data": (address, True),
+        "strides": strides,
+    }
+    return _numpy().asarray(_Extent(interface))
+
+
+def _numpy() -> Any:
+    import numpy
+
+    return numpy

@@ -322,14 +322,14 @@ def test_unknown_op_for_explain() -> None:
 def test_partial_overlap_of_out_and_x(lib: Backend) -> None:
     buffer = lib.from_numpy(_x(5, 4))
     before = lib.to_numpy(buffer).tobytes()
-    with pytest.raises(normlab.ArgumentError, match="partially overlaps"):
+    with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with x"):
         normlab.layer_norm(buffer[:4], out=buffer[1:])
     assert lib.to_numpy(buffer).tobytes() == before
 
 
 def test_overlap_of_reversed_x_and_out() -> None:
     x = _x(4, 3)
-    with pytest.raises(normlab.ArgumentError, match="partially overlaps"):
+    with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with x"):
         normlab.layer_norm(x, out=x[::-1])
 
 

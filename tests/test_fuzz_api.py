@@ -70,6 +70,12 @@ LAYOUTS: Final = {
     "torch": ("c", "fortran", "transposed", "sliced", "broadcast"),
 }
 DIMS: Final = (0, 1, 2, 3, 5, 8, 17)
+#: Scales of the value kinds at the edges of a dtype's range: float64 rows whose squares
+#: overflow (``huge``), float32/float64 rows whose squares underflow (``minute``).
+RANGE_EDGES: Final = {
+    "huge": {"float64": 1e300},
+    "minute": {"float32": 1e-25, "float64": 1e-170},
+}
 MAX_ELEMENTS: Final = 2000
 #: Names for ``backend=``: built-ins (cupy has no device here), unknown names, not names at all.
 NAMED: Final = ("numpy", "numba", "torch")
@@ -104,6 +110,11 @@ def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator, dtype: 
         return rng.integers(-3, 4, shape).astype(np.float64)
     if kind == "tiny":
         return 1e-3 * rng.standard_normal(shape)
+    if kind in RANGE_EDGES and dtype in FLOATS:  # rows whose squares overflow or underflow
+        return rng.uniform(-1.0, 1.0, shape) * RANGE_EDGES[kind].get(dtype, 1.0)
+    if kind == "constant":  # rows of one value each (with eps = 0: NaN, 0 / 0)
+        row_values = rng.standard_normal((*shape[:-1], 1)) if shape else rng.standard_normal()
+        return np.repeat(row_values, shape[-1], axis=-1) if shape else np.asarray(row_values)
     return rng.standard_normal(shape)
 
 
@@ -402,9 +413,23 @@ class Forward:
         kwargs["return_stats"] = self.return_stats
         if self.out is not None:
             kwargs["out"] = self._out(x, rng)
+        if self._aliases_weight(norm_shape):
+            # weight: the first elements of out's memory (out is C-contiguous here)
+            kwargs["weight"] = (
+                kwargs["out"].reshape(-1)[: math.prod(norm_shape)].reshape(norm_shape)
+            )
         if self.backend is not None:
             kwargs["backend"] = self.backend
         return kwargs
+
+    def _aliases_weight(self, norm_shape: tuple[int, ...] | None) -> bool:
+        """Whether this call's weight is a view of its ``out`` (``out="aliases_weight"``)."""
+        return (
+            self.out == "aliases_weight"
+            and norm_shape is not None
+            and self.dtype in FLOATS
+            and math.prod(self.shape) > 0
+        )
 
     def norm_shape(self) -> tuple[int, ...] | None:
         if self.dtype == "not_an_array" or not self.shape:
@@ -526,6 +551,8 @@ class Forward:
             found.add(normlab.ShapeError)
         if self.out == "overlap" and math.prod(self.shape) > 0 and self.shape[0] >= 2:
             found.add(normlab.ArgumentError)
+        if self._aliases_weight(None if axes is None else self.norm_shape()):
+            found.add(normlab.ArgumentError)  # out shares memory with weight
         return found
 
 
@@ -584,6 +611,9 @@ INVALID_OUT: Final = (
     "readonly",
     "broadcast",
     "overlap",
+    "aliases_weight",  # thrice: few calls have an out, a weight and elements
+    "aliases_weight",
+    "aliases_weight",
     "list",
     "masked",
     "bad_tuple",
@@ -673,7 +703,7 @@ def forward_calls(draw: st.DrawFn) -> Forward:
     eps_values = (
         INVALID_EPS if "eps" in wrong else VALID_EPS + ((None,) if op == "rms_norm" else ())
     )
-    kinds = ["normal", "offset", "integers", "tiny", "spread"]
+    kinds = ["normal", "offset", "integers", "tiny", "spread", "huge", "minute", "constant"]
     backend = draw(
         st.sampled_from(
             ["cupy", "no_such_backend", 3, ["numpy"]]
@@ -682,13 +712,16 @@ def forward_calls(draw: st.DrawFn) -> Forward:
         )
     )
     preference = draw(st.sampled_from(PREFERENCES))
+    values = draw(st.sampled_from(kinds))
+    if values in ("minute", "constant") and "eps" not in wrong:  # eps = 0 as often as not
+        eps_values = (0.0,) * len(eps_values) + eps_values
     return Forward(
         op=op,
         family=family,
         dtype=dtype,
         shape=shape,
         layout=layout,
-        values=draw(st.sampled_from(kinds)),
+        values=values,
         normalized_shape=normalized_shape,
         axis=_axis(draw, shape, normalized_shape, "axis" not in wrong),
         weight=_param(draw, family, dtype, "weight" not in wrong),
@@ -704,6 +737,38 @@ def forward_calls(draw: st.DrawFn) -> Forward:
         requires_grad=family == "torch" and dtype in FLOATS and draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+#: The input classes at the edges of the contract that the fuzzer must generate (each found a
+#: silent wrong answer once); their counts are asserted, see test_the_fuzzer_generates_...
+INPUT_CLASSES: Final = (
+    "huge float64 rows",
+    "minute rows, eps too small to hide underflow",
+    "constant rows, eps = 0",
+    "out sharing memory with weight",
+)
+
+
+def input_classes(f: Forward, kwargs: dict[str, Any]) -> list[str]:
+    """The :data:`INPUT_CLASSES` the call ``f`` (built as ``kwargs``) belongs to."""
+    if f.dtype not in FLOATS or not f.shape:
+        return []
+    eps = kwargs.get("eps", 1e-5 if f.op == "layer_norm" else MACHINE_EPS[f.dtype])
+    try:
+        eps_value = float(eps)
+    except (TypeError, ValueError, OverflowError):
+        return []
+    classes = []
+    if f.values == "huge" and f.dtype == "float64":
+        classes.append(INPUT_CLASSES[0])
+    hidden_below = {"float32": 1e-31, "float64": 1e-292}.get(f.dtype)
+    if f.values == "minute" and hidden_below is not None and 0 <= eps_value < hidden_below:
+        classes.append(INPUT_CLASSES[1])
+    if f.values == "constant" and eps_value == 0:
+        classes.append(INPUT_CLASSES[2])
+    if f._aliases_weight(f.norm_shape()):
+        classes.append(INPUT_CLASSES[3])
+    return classes
 
 
 def _call(f: Forward, kwargs: dict[str, Any]) -> Any:
@@ -813,6 +878,8 @@ def test_forward_calls_give_the_reference_or_a_normlab_error(
     kwargs = f.build()
     expected = f.problems(kwargs)
     note(f"expected errors: {sorted(e.__name__ for e in expected)}")
+    for input_class in input_classes(f, kwargs):
+        event(f"input class: {input_class}")
     arrays = {k: v for k, v in kwargs.items() if _is_array(v)} | f.arrays
     before = {k: _snapshot(v) for k, v in arrays.items()}
     x64 = as_float64(kwargs["x"]) if not expected else None
@@ -835,6 +902,21 @@ def test_forward_calls_give_the_reference_or_a_normlab_error(
     for name in ("x", "weight", "bias"):
         if name in before and not (name == "x" and in_place):
             assert _unchanged(before[name], arrays[name]), f"{name} was modified"
+
+
+def test_the_fuzzer_generates_every_input_class() -> None:
+    """The strategy of the test above, at the same size, draws every input class of
+    :data:`INPUT_CLASSES` (drawn and built only: no call is made, so this costs little)."""
+    seen: dict[str, int] = dict.fromkeys(INPUT_CLASSES, 0)
+
+    @FUZZ
+    @given(f=forward_calls())
+    def draw(f: Forward) -> None:
+        for input_class in input_classes(f, f.build()):
+            seen[input_class] += 1
+
+    draw()
+    assert all(seen.values()), f"input classes never drawn in {EXAMPLES} calls: {seen}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -1280,7 +1362,7 @@ def test_torch_rms_norm_without_the_private_fused_kernel(monkeypatch: pytest.Mon
     np.testing.assert_allclose(rstd.numpy(), want_rstd, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_float64_rows_of_huge_spread(backend: str, op: str) -> None:
     """float64 squares overflow past 1.3e154: such rows are recomputed scaled by a power of two."""

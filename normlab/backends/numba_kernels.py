@@ -29,9 +29,12 @@ Long rows (more than :data:`LONG_ROW_BYTES` of compute dtype) are cut into segme
 merged in segment order with Chan's formula, then y in one more pass: x is read from memory
 twice, and the segments of one row are shared out between threads. Never E[x²]-E[x]².
 
-float32 range: a row whose float32 block sums overflow (values beyond about 1.8e19), or whose
-rstd exceeds float32 (eps = 1e-80 on a constant row), is redone in float64 (``_wide_stats``,
-``_write_wide``); other rows never pay for it.
+Range: a row whose block sums overflow (float32 values beyond about 1.8e19, float64 beyond
+1e154) or, with an eps too small to hide it, underflow (a mean square below the compute dtype's
+smallest normal number: float32 values near 1e-20), or whose rstd exceeds float32 (eps = 1e-80
+on a constant row), is redone in float64 on its values scaled by a power of two
+(``_wide_stats``, ``_write_wide``): accurate anywhere in the dtype's finite range. Other rows
+never pay for it.
 
 Fast-math flags are ``reassoc`` (to vectorise the sums), ``contract`` (FMA) and ``nsz``: none of
 them assumes away NaN or Inf. Subtractions that must stay exact as written go through
@@ -42,6 +45,7 @@ one thread), so its result does not depend on the other rows or on the number of
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import numpy as np
@@ -81,6 +85,11 @@ BLOCK: Final = 256
 #: on a 2 MiB-L2 core (one thread, float32, docs/numba.md): even at 2^18 elements, 7-13% in
 #: favour of the segmented form from 2^19 on, 12-30% in favour of the three sweeps below 2^18.
 LONG_ROW_BYTES: Final = 1 << 20
+#: The smallest normal float32 and float64: a mean square below it has lost precision.
+TINY_FLOAT32: Final = 2.0**-126
+TINY_FLOAT64: Final = 2.0**-1022
+#: A wide row's values are scaled by 2^k into [1, 2) before squaring, k clamped to this range.
+SCALE_LIMIT: Final = 1000
 #: Elements per segment of a long row (a multiple of BLOCK): 16 KiB of float32, 32 KiB of
 #: float64, so that a segment's second sweep hits L1.
 SEGMENT: Final = 4096
@@ -113,6 +122,15 @@ def narrow(value: Any, like: Any) -> Any:
 
     A Numba overload (:func:`_narrow_typed`): callable from jitted code only."""
     raise NotImplementedError("narrow is a Numba overload; call it from jitted code")
+
+
+def underflowed(m2: float, n: int, eps: float, like: Any) -> bool:
+    """Whether a row's sum of squares ``m2`` (of ``n`` terms, summed in the dtype of the array
+    ``like``) is too small to be accurate in that dtype — the mean square is below its smallest
+    normal number — while eps is too small to hide the error.
+
+    A Numba overload (:func:`_underflowed_typed`): callable from jitted code only."""
+    raise NotImplementedError("underflowed is a Numba overload; call it from jitted code")
 
 
 def out_row(x: Any, y: Any, i: int) -> Any:
@@ -172,6 +190,14 @@ def _narrow_float64(value: Any, like: Any) -> Any:
     return np.float64(value)
 
 
+def _underflowed_float32(m2: Any, n: Any, eps: Any, like: Any) -> Any:
+    return m2 < n * TINY_FLOAT32 and eps < TINY_FLOAT32 * 2.0**24
+
+
+def _underflowed_float64(m2: Any, n: Any, eps: Any, like: Any) -> Any:
+    return m2 < n * TINY_FLOAT64 and eps < TINY_FLOAT64 * 2.0**53
+
+
 def _row_of_x(x: Any, y: Any, i: Any) -> Any:
     return x[i]
 
@@ -209,6 +235,13 @@ def _store_typed(value: Any, row: Any) -> Any:
 @overload(narrow)
 def _narrow_typed(value: Any, like: Any) -> Any:
     return {types.float32: _narrow_float32, types.float64: _narrow_float64}.get(like.dtype)
+
+
+@overload(underflowed)
+def _underflowed_typed(m2: Any, n: Any, eps: Any, like: Any) -> Any:
+    return {types.float32: _underflowed_float32, types.float64: _underflowed_float64}.get(
+        like.dtype
+    )
 
 
 @overload(out_row)
@@ -257,34 +290,49 @@ def _moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
-def _wide_moments(xr: Any, centre: bool) -> tuple[float, float]:
-    # _moments of a whole row in float64 throughout, for rows whose compute-dtype sums overflow
-    # (float32 rows beyond about 1.8e19). xr: a row of x, any element type and stride.
+def _wide_moments(xr: Any, inv_scale: float, centre: bool) -> tuple[float, float]:
+    # _moments of a whole row in float64 throughout, of the values x * inv_scale (a power of
+    # two: exact), for rows whose compute-dtype sums overflow or underflow. xr: a row of x, any
+    # element type and stride.
     n = xr.shape[0]
     mean = 0.0
     if centre:
-        x0 = np.float64(load(xr[0]))
+        x0 = np.float64(load(xr[0])) * inv_scale
         shift = 0.0
         for j in range(n):
-            shift += np.float64(load(xr[j])) - x0
+            shift += np.float64(load(xr[j])) * inv_scale - x0
         mean = x0 + shift / n
     m2 = 0.0
     for j in range(n):
-        d = np.float64(load(xr[j])) - mean
+        d = np.float64(load(xr[j])) * inv_scale - mean
         m2 += d * d
     return mean, m2
 
 
-@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _wide_stats(xr: Any, mean: float, m2: float, eps: float, centre: bool) -> tuple[float, float]:
-    # A row's (mean, rstd) when its compute-dtype statistics do not hold (the caller's test,
-    # `wide`: m2 is inf or NaN, or rstd is beyond the compute dtype): an overflowed m2 is
-    # recomputed from xr in float64 (a NaN or Inf in the row gives NaN again); y is then written
-    # in float64 (_write_wide), so that eps = 1e-80 on a constant float32 row gives
-    # (x - mean) * rstd = 0 * 1e40 = 0, never 0 * inf = NaN. Not inlined: rare.
-    if not np.isfinite(m2):
-        mean, m2 = _wide_moments(xr, centre)
-    return mean, 1.0 / np.sqrt(m2 / xr.shape[0] + eps)
+@njit(error_model="numpy", cache=True)
+def _wide_stats(xr: Any, eps: float, centre: bool) -> tuple[float, float, float]:
+    # A row's statistics when its compute-dtype ones do not hold (the caller's test, `wide`:
+    # m2 is inf or NaN or underflowed, or rstd is beyond the compute dtype), recomputed from xr
+    # in float64 on the values scaled by a power of two s (x / s in [1, 2) for the row's
+    # largest |x|), so that no square overflows or underflows: returns (mean / s, rstd * s, s),
+    # and y = (x / s - mean / s) * (rstd * s) (_write_wide) is the same y, even for a row
+    # spanning float64's whole range. A NaN or Inf in the row gives NaN (s = 1). eps = 1e-80 on
+    # a constant float32 row gives (x - mean) * rstd = 0 * 1e40 = 0, never 0 * inf = NaN; eps =
+    # 0 on a constant row gives NaN (0 / 0), as IEEE arithmetic does. Not inlined: rare.
+    n = xr.shape[0]
+    largest = 0.0
+    for j in range(n):
+        largest = max(largest, abs(np.float64(load(xr[j]))))
+    scale = 1.0
+    if np.isfinite(largest) and largest > 0.0:
+        exponent = math.frexp(largest)[1] - 1
+        scale = math.ldexp(1.0, min(max(exponent, -SCALE_LIMIT), SCALE_LIMIT))
+    mean, m2 = _wide_moments(xr, 1.0 / scale, centre)
+    scaled_eps = eps / scale / scale
+    # where eps / s^2 overflows, eps dwarfs the variance of a tiny row
+    finite = np.isfinite(scaled_eps)
+    rstd = 1.0 / np.sqrt(m2 / n + scaled_eps) if finite else scale / np.sqrt(eps)
+    return mean, rstd, scale
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
@@ -301,11 +349,14 @@ def _write(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _write_wide(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
-    # _write in float64, for a span whose row is wide (see _wide_stats): y is rounded to the
-    # compute dtype and then to y's type. Not inlined: rare.
+def _write_wide(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float, scale: float) -> None:
+    # _write in float64 on the scaled values, for a span whose row is wide: mean, rstd, scale
+    # as _wide_stats returns them. y is rounded to the compute dtype and then to y's type.
+    # Not inlined: rare.
+    inv_scale = 1.0 / scale
     for j in range(xr.shape[0]):
-        yr[j] = store((np.float64(load(xr[j])) - mean) * rstd * w[j] + b[j], yr)
+        d = np.float64(load(xr[j])) * inv_scale - mean
+        yr[j] = store(narrow(d * rstd * w[j] + b[j], w), yr)
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -330,13 +381,12 @@ def _wide_rows(
             continue
         i = start + k
         src = source_row(x[i], scratch)
-        m, m2 = _moments(src, w, centre)
-        m, r = _wide_stats(src, m, m2, eps, centre)
-        _write_wide(src, out_row(x, y, i), w, b, m, r)
+        m, r, s = _wide_stats(src, eps, centre)
+        _write_wide(src, out_row(x, y, i), w, b, m, r, s)
         if mean.shape[0] != 0:
-            mean[i] = m
+            mean[i] = m * s
         if rstd.shape[0] != 0:
-            rstd[i] = r
+            rstd[i] = r / s
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -369,6 +419,7 @@ def layer_norm_rows(
         m, m2 = _moments(src, w, centre)
         r = 1.0 / np.sqrt(m2 / src.shape[0] + eps)  # eps added in float64
         ok = np.isfinite(m2) and np.isfinite(narrow(r, w))
+        ok = ok and not underflowed(m2, src.shape[0], eps, w)
         wide[i - start] = not ok
         any_wide |= not ok
         k = src.shape[0] if ok else 0
@@ -448,15 +499,18 @@ def merge_segments(
             m2 = m2 + moments[i, s, 1] + delta * delta * (count * (nb / total))
             count = total
         r = 1.0 / np.sqrt(m2 / cols + eps)
-        wide[i] = not (np.isfinite(m2) and np.isfinite(narrow(r, w)))
+        ok = np.isfinite(m2) and np.isfinite(narrow(r, w))
+        wide[i] = not (ok and not underflowed(m2, cols, eps, w))
+        scale = 1.0
         if wide[i]:
-            m, r = _wide_stats(x[i], m, m2, eps, centre)
+            m, r, scale = _wide_stats(x[i], eps, centre)
         stats[i, 0] = m
         stats[i, 1] = r
+        stats[i, 2] = scale
         if mean.shape[0] != 0:
-            mean[i] = m
+            mean[i] = m * scale
         if rstd.shape[0] != 0:
-            rstd[i] = r
+            rstd[i] = r / scale
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -477,7 +531,7 @@ def write_segments(
         ws = w[a:e] if w.shape[0] == cols else w[: e - a]
         bs = b[a:e] if b.shape[0] == cols else b[: e - a]
         if wide[i]:
-            _write_wide(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
+            _write_wide(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1], stats[i, 2])
         else:
             _write(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
 
@@ -492,7 +546,7 @@ def long_rows(
     rows, cols = x.shape
     segments = -(-cols // SEGMENT)
     moments = np.empty((rows, segments, 2))
-    stats = np.empty((rows, 2))
+    stats = np.empty((rows, 3))
     wide = np.empty(rows, np.bool_)
     segment_moments(x, w, centre, moments, 0, rows * segments)
     merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
@@ -509,7 +563,7 @@ def long_rows_parallel(
     segments = -(-cols // SEGMENT)
     items = rows * segments
     moments = np.empty((rows, segments, 2))
-    stats = np.empty((rows, 2))
+    stats = np.empty((rows, 3))
     wide = np.empty(rows, np.bool_)
     for c in prange(chunks):
         segment_moments(x, w, centre, moments, items * c // chunks, items * (c + 1) // chunks)

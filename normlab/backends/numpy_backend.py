@@ -9,11 +9,16 @@ buffer that stays in cache, with the shifted two-pass formula::
     y    = (x - mean) * rstd * weight + bias
 
 float16 and bfloat16 are computed in float32 and rounded once when the block is stored.
+A row longer than a block is normalized alone in column segments (:func:`_long_rows`): segment
+moments merged with Chan's formula, so accuracy does not degrade with the row's length and
+scratch stays one block.
 RMSNorm runs the same loop without the centring: ``rstd = 1 / sqrt(mean(x^2) + eps)``.
 
 Two rows-sized checks keep the fast path exact at the edges of the float range: a row whose
-variance is not finite (float32 squares overflow past about 1.8e19, or x holds NaN/Inf) is
-recomputed alone by :func:`_wide_rows`, in float64 (scaled by a power of two beyond 2^400);
+variance is not finite (float32 squares overflow past about 1.8e19, or x holds NaN/Inf), or,
+with an eps too small to hide it, below the compute dtype's smallest normal number (squares
+that underflow, float32 rows near 1e-20), is recomputed alone by :func:`_wide_rows`, in float64
+scaled by a power of two;
 and with ``eps > 0`` the factor applied to a row is capped at the compute dtype's largest
 value, so a constant row (all deviations exactly 0) gives exactly ``bias`` even where
 ``1/sqrt(eps)`` overflows (eps below about 8.6e-78 in float32); its returned ``rstd`` is then
@@ -23,6 +28,7 @@ double as scratch: x must stay readable until its block is done.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import numpy as np
@@ -41,8 +47,14 @@ __all__ = [
 
 #: Bytes of compute-dtype scratch per block: small enough to stay in L2 on most CPUs.
 BLOCK_BYTES: Final = 512 * 1024
-#: Rows recomputed by _wide_rows whose largest magnitude exceeds 2^this are scaled down first.
-SCALE_FROM: Final = 400
+#: Per compute dtype: its smallest normal number (a row's mean square below it has lost
+#: precision) and the eps from which that loss is hidden (tiny / machine epsilon).
+UNDERFLOW: Final = {
+    name: (float(np.finfo(name).tiny), float(np.finfo(name).tiny / np.finfo(name).eps))
+    for name in ("float32", "float64")
+}
+#: Rows recomputed by _wide_rows are scaled by 2^k, |k| at most this (float64 normal range).
+SCALE_LIMIT: Final = 1000
 
 
 def layer_norm(
@@ -99,6 +111,9 @@ def _normalize_blocks(
     b = None if bias is None else bias.astype(compute, copy=False)
     means = np.empty(rows, compute) if plan.return_stats and centre else None
     rstds = np.empty(rows, compute) if plan.return_stats else None
+    if cols * compute.itemsize > BLOCK_BYTES:
+        _long_rows(x, y, w, b, plan, means, rstds, centre)
+        return y, means, rstds
     block = max(1, BLOCK_BYTES // (cols * compute.itemsize))
     # The result block doubles as scratch when it already has the compute dtype and C layout,
     # and is not x's memory (in place): a row recomputed by _wide_rows reads x after the pass.
@@ -107,6 +122,10 @@ def _normalize_blocks(
     # of a constant row stay 0 (not 0 * inf)
     cap = np.finfo(compute).max
     capped = plan.eps > 0 and 1.0 / np.sqrt(plan.eps) > cap
+    # a mean square below the smallest normal number has lost precision; it matters only when
+    # eps does not dwarf the error
+    tiny, hidden_from = UNDERFLOW[plan.compute_dtype]
+    eps_tiny = plan.eps < hidden_from
     scratch = None if y_is_scratch else np.empty((min(block, rows), cols), compute)
     ones = np.ones(cols, compute)  # row sums as dot products: vectorised, one row at a time
     for start in range(0, rows, block):
@@ -133,8 +152,13 @@ def _normalize_blocks(
         if b is not None:
             t += b
         wide = None
-        if not np.isfinite(np.add.reduce(var[:, 0])):  # rows-sized: squares overflowed, or NaN
-            bad = np.flatnonzero(~np.isfinite(var[:, 0]))
+        # rows-sized: squares overflowed, or NaN; or (only with a tiny eps) squares underflowed
+        overflow = not np.isfinite(np.add.reduce(var[:, 0]))
+        if overflow or (eps_tiny and np.min(var) < tiny):
+            bad_rows = ~np.isfinite(var[:, 0])
+            if eps_tiny:
+                bad_rows |= var[:, 0] < tiny
+            bad = np.flatnonzero(bad_rows)
             if bad.size:
                 wide = _wide_rows(xb[bad], weight, bias, plan.eps, centre)
         if t is not yb:
@@ -152,6 +176,79 @@ def _normalize_blocks(
     return y, means, rstds
 
 
+def _long_rows(
+    x: np.ndarray,
+    y: np.ndarray,
+    w: np.ndarray | None,
+    b: np.ndarray | None,
+    plan: Plan,
+    means: np.ndarray | None,
+    rstds: np.ndarray | None,
+    centre: bool,
+) -> None:
+    """Rows longer than a block, one at a time, in column segments of :data:`BLOCK_BYTES`:
+    each segment's (mean, M2) by the shifted two-pass in the compute dtype, merged in segment
+    order in float64 with Chan's formula (``delta = mean_b - mean_a``, ``mean += delta * nb / n``,
+    ``m2 += m2_b + delta^2 * na * nb / n``), then y segment by segment. Scratch is one segment,
+    whatever the row's length: peak memory is y plus O(block). A row whose statistics do not
+    hold (see :func:`_wide_rows`) is redone there, in float64 (a row-sized copy: rare)."""
+    compute = np.dtype(plan.compute_dtype)
+    cols = plan.cols
+    segment = BLOCK_BYTES // compute.itemsize
+    scratch = np.empty(segment, compute)
+    ones = np.ones(segment, compute)
+    tiny, hidden_from = UNDERFLOW[plan.compute_dtype]
+    eps_tiny = plan.eps < hidden_from
+    cap = np.finfo(compute).max
+    for i in range(plan.rows):
+        xr, yr = x[i], y[i]
+        count, mean, m2 = 0, 0.0, 0.0
+        for start in range(0, cols, segment):
+            stop = min(start + segment, cols)
+            n = stop - start
+            t = scratch[:n]
+            np.copyto(t, xr[start:stop], casting="unsafe")
+            seg_mean = 0.0
+            if centre:
+                x0 = t[0].copy()
+                t -= x0
+                shift = np.vecdot(t, ones[:n]) / compute.type(n)
+                t -= shift
+                seg_mean = float(x0) + float(shift)
+            seg_m2 = float(np.vecdot(t, t))
+            total = count + n
+            delta = seg_mean - mean
+            mean += delta * (n / total)
+            m2 += seg_m2 + delta * delta * (count * (n / total))
+            count = total
+        var = m2 / cols
+        if not np.isfinite(var) or (eps_tiny and var < tiny):
+            yw, mean_w, rstd_w = _wide_rows(xr[None], w, b, plan.eps, centre)
+            yr[...] = yw[0]
+            mean, rstd = float(mean_w[0]), float(rstd_w[0])
+        else:
+            rstd = 1.0 / math.sqrt(var + plan.eps) if var + plan.eps > 0 else math.inf
+            mean_hi = compute.type(mean)
+            mean_lo = compute.type(mean - float(mean_hi))
+            factor = compute.type(min(rstd, cap) if plan.eps > 0 else rstd)
+            for start in range(0, cols, segment):
+                stop = min(start + segment, cols)
+                t = scratch[: stop - start]
+                np.copyto(t, xr[start:stop], casting="unsafe")
+                t -= mean_hi
+                t -= mean_lo
+                t *= factor
+                if w is not None:
+                    t *= w[start:stop]
+                if b is not None:
+                    t += b[start:stop]
+                yr[start:stop] = t
+        if means is not None:
+            means[i] = mean
+        if rstds is not None:
+            rstds[i] = rstd
+
+
 def _wide_rows(
     x: np.ndarray,
     weight: np.ndarray | None,
@@ -159,26 +256,51 @@ def _wide_rows(
     eps: float,
     centre: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(y, mean, rstd)`` of a few rows in float64 (y 2-D; mean, rstd 1-D). A row whose largest
-    magnitude exceeds 2^400 (float64 x) is divided by a power of two ``s`` first, so that no
-    square overflows: ``(x/s - mean/s) / sqrt(var/s^2 + eps/s^2)`` is the same ``y``. A NaN or
-    Inf in a row makes that row NaN."""
+    """``(y, mean, rstd)`` of a few rows in float64 (y 2-D; mean, rstd 1-D). Each row is divided
+    by a power of two ``s`` first (its largest magnitude / s in [1, 2)), so that no square
+    overflows or underflows anywhere in float64's range: ``(x/s - mean/s) / sqrt(var/s^2 +
+    eps/s^2)`` is the same ``y``. A NaN or Inf in a row makes that row NaN; a constant row with
+    eps = 0 gives NaN (0 / 0)."""
     x64 = x.astype(np.float64)
-    _, exponent = np.frexp(np.max(np.abs(x64), axis=1, keepdims=True))
-    s = np.ldexp(1.0, np.maximum(exponent - SCALE_FROM, 0))
+    s = _power_of_two_scale(x64)
     xs = x64 / s
     mean = np.zeros_like(s)
     if centre:
         x0 = xs[:, :1]
         mean = x0 + (xs - x0).mean(axis=1, keepdims=True)
     d = xs - mean
-    rstd = 1.0 / np.sqrt(np.mean(d * d, axis=1, keepdims=True) + eps / (s * s))
+    rstd = _scaled_rstd(np.mean(d * d, axis=1, keepdims=True), eps, s)
     y = d * rstd
     if weight is not None:
         y *= weight.astype(np.float64)
     if bias is not None:
         y += bias.astype(np.float64)
     return y, (mean * s)[:, 0], (rstd / s)[:, 0]
+
+
+def _power_of_two_scale(x64: np.ndarray) -> np.ndarray:
+    """Per row of the 2-D ``x64``: ``2^k`` with the row's largest magnitude / 2^k in [1, 2)
+    (k clamped to ±SCALE_LIMIT; 1 for a row of zeros or holding NaN/Inf), keepdims."""
+    largest = np.max(np.abs(x64), axis=1, keepdims=True)
+    largest = np.where(np.isfinite(largest), largest, 0.0)
+    _, exponent = np.frexp(largest)
+    k = np.clip(np.where(largest > 0, exponent - 1, 0), -SCALE_LIMIT, SCALE_LIMIT)
+    s: np.ndarray = np.ldexp(1.0, k)
+    return s
+
+
+def _scaled_rstd(mean_square: np.ndarray, eps: float, s: np.ndarray) -> np.ndarray:
+    """``rstd * s`` of rows scaled by ``s`` (``mean_square`` of the scaled values): ``1 /
+    sqrt(mean_square + eps / s^2)``, or ``s / sqrt(eps)`` where ``eps / s^2`` overflows (eps
+    dwarfs the variance of a tiny row)."""
+    scaled_eps = eps / s / s
+    with np.errstate(divide="ignore"):
+        rstd: np.ndarray = np.where(
+            np.isfinite(scaled_eps),
+            1.0 / np.sqrt(mean_square + np.where(np.isfinite(scaled_eps), scaled_eps, 0.0)),
+            s / np.sqrt(eps) if eps > 0 else 0.0,
+        )
+    return rstd
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:

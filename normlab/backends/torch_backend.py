@@ -3,11 +3,13 @@
 This backend is torch's kernels, with torch's numerics, plus on CPU a repair of the rows where
 those numerics fail. After each CPU call a rows-sized check of the statistics torch returns
 (``rstd``) finds the rows that torch's float32 arithmetic got wrong, and :func:`_wide_rows`
-recomputes only those, in float64 with torch operations (differentiable; a row whose largest
-magnitude exceeds 2^400 is first divided by a power of two). Bad rows are those where
+recomputes only those, in float64 with torch operations (differentiable; each such row is
+first divided by a power of two). Bad rows are those where
 
 * ``rstd`` is 0, inf or NaN: float32 squares that overflow (rows spread wider than about
   1.8e19), or an ``eps`` that vanishes in float32 on a constant row (0 * inf = NaN);
+* with an eps too small to hide it, ``rstd`` beyond ``1/sqrt(tiny)`` (the variance is below
+  the compute dtype's smallest normal number: squares that underflowed);
 * ``eps > 0`` dominates the variance (``rstd >= 0.5 / sqrt(eps)``) and either x is
   float16/bfloat16 (torch's CPU kernel for half x is off by about ``|mean| * rstd * 2^-24``,
   so a constant row misses ``bias``: -1.6e-5 at ``eps=1e-5`` on rows of 3.1, -0.125 at 1e-12,
@@ -50,8 +52,11 @@ _TORCH_DTYPES = {
 }
 #: float32's smallest normal number: a smaller eps is rounded (or lost) by torch's float32 math.
 _FLOAT32_TINY: Final = float(np.finfo(np.float32).tiny)
-#: Rows whose largest magnitude exceeds 2^this are divided by a power of two in _wide_rows.
-_SCALE_FROM: Final = 400
+#: Rows recomputed by _wide_rows are scaled by 2^k, |k| at most this (float64 normal range).
+_SCALE_LIMIT: Final = 1000
+#: The smallest normal number of each compute dtype: a variance below it has lost precision.
+_TINY: Final = {"float32": _FLOAT32_TINY, "float64": float(np.finfo(np.float64).tiny)}
+_MACHINE_EPS: Final = {"float32": 2.0**-23, "float64": 2.0**-52}
 
 
 def layer_norm(
@@ -140,6 +145,9 @@ def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | No
     eps_lost = plan.compute_dtype == "float32" and plan.eps < _FLOAT32_TINY
     if plan.eps > 0 and ((centre and plan.dtype in HALF_DTYPES) or eps_lost):
         limit = 0.5 / math.sqrt(plan.eps)  # eps dominates the variance beyond this rstd
+    tiny = _TINY[plan.compute_dtype]
+    if plan.eps < tiny / _MACHINE_EPS[plan.compute_dtype]:  # squares may underflow unseen
+        limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
     low, high = torch.aminmax(rstd)
     if low.item() > 0 and high.item() < limit:  # NaN fails both
         return None
@@ -182,23 +190,34 @@ def _wide_rows(
     centre: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, mean, rstd)`` of a few rows in float64 torch operations (y 2-D; mean, rstd 1-D),
-    with the shifted two-pass mean (centre) or none (RMSNorm). A row whose largest magnitude
-    exceeds 2^400 is divided by a power of two ``s`` first, so that no square overflows:
-    ``(x/s - mean/s) / sqrt(var/s^2 + eps/s^2)`` is the same ``y``. A NaN or Inf in a row makes
-    that row NaN."""
+    with the shifted two-pass mean (centre) or none (RMSNorm). Each row is divided by a power
+    of two ``s`` first (its largest magnitude / s in [1, 2)), so that no square overflows or
+    underflows anywhere in float64's range: ``(x/s - mean/s) / sqrt(var/s^2 + eps/s^2)`` is
+    the same ``y``. A NaN or Inf in a row makes that row NaN; so does a constant row with
+    eps = 0 (0 / 0, as IEEE arithmetic and torch's own float64 kernel)."""
     x64 = x.to(torch.float64)
     with torch.no_grad():
-        _, exponent = torch.frexp(x64.abs().amax(dim=1, keepdim=True))
-        s = torch.ldexp(torch.ones_like(x64[:, :1]), (exponent - _SCALE_FROM).clamp(min=0))
+        largest = x64.abs().amax(dim=1, keepdim=True)
+        largest = torch.where(largest.isfinite(), largest, 0.0)
+        _, exponent = torch.frexp(largest)
+        k = torch.where(largest > 0, exponent - 1, 0).clamp(-_SCALE_LIMIT, _SCALE_LIMIT)
+        s = torch.ldexp(torch.ones_like(largest), k)
+        scaled_eps = eps / s / s
+        finite_eps = scaled_eps.isfinite()  # else eps dwarfs the variance of a tiny row
     xs = x64 / s
     mean = torch.zeros_like(s)
     if centre:
         x0 = xs[:, :1]
         mean = x0 + (xs - x0).mean(dim=1, keepdim=True)
     d = xs - mean
-    rstd = torch.rsqrt((d * d).mean(dim=1, keepdim=True) + eps / (s * s))
-    # a row of exact zeros stays 0 where eps / s^2 underflows (0 * inf would be NaN)
-    y = d * rstd.clamp(max=torch.finfo(torch.float64).max)
+    square = (d * d).mean(dim=1, keepdim=True)
+    rstd = torch.where(
+        finite_eps,
+        torch.rsqrt(square + torch.where(finite_eps, scaled_eps, 0.0)),
+        s / math.sqrt(eps) if eps > 0 else s,
+    )
+    # with eps > 0, a row of exact zeros stays 0 (never 0 * inf = NaN)
+    y = d * (rstd.clamp(max=torch.finfo(torch.float64).max) if eps > 0 else rstd)
     if weight is not None:
         y = y * weight.to(torch.float64)
     if bias is not None:

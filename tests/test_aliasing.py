@@ -1,0 +1,183 @@
+"""Outputs sharing memory with inputs: one rule (spec.output_aliasing) for every op.
+
+No output (``y``, the statistics outs) may share an element with an input or with another
+output, except ``out is x`` (an in-place call); the test is exact (interleaved columns that share
+no element are accepted) and bounded in work (undecided overlaps are written through a
+temporary, never refused)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import normlab
+from normlab import arrays, reference, spec
+from normlab.registry import Backend
+
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(7)
+CPU_BACKENDS = ["numpy", "numba", "torch"]
+
+
+def _x(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _family(backend: str) -> str:
+    return "torch" if backend == "torch" else "numpy"
+
+
+def _convert(a: np.ndarray, backend: str) -> Any:
+    return torch.from_numpy(a.copy()) if backend == "torch" else a.copy()
+
+
+def _numpy(a: Any) -> np.ndarray:
+    return a.numpy() if hasattr(a, "numpy") else np.asarray(a)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(
+    "call",
+    [
+        "weight=out[3]",
+        "bias=out[0]",
+        "weight=x[0] with out=x",
+        "mean out inside y out",
+        "rstd out inside x",
+    ],
+)
+def test_overlapping_outputs_are_refused_and_nothing_is_written(backend: str, call: str) -> None:
+    buffer = _convert(_x(4, 8), backend)
+    extra = _convert(_x(2, 8), backend)
+    before = (_numpy(buffer).copy(), _numpy(extra).copy())
+    x = extra
+    kwargs: dict[str, Any] = {"out": buffer}
+    if call == "weight=out[3]":
+        kwargs["weight"] = buffer[3]
+        x = _convert(_x(4, 8), backend)
+    elif call == "bias=out[0]":
+        kwargs["bias"] = buffer[0]
+        x = _convert(_x(4, 8), backend)
+    elif call == "weight=x[0] with out=x":
+        x = buffer
+        kwargs["weight"] = buffer[0]
+    elif call == "mean out inside y out":
+        x = _convert(_x(4, 8), backend)
+        kwargs = {"return_stats": True, "out": (buffer, buffer[:, :1], None)}
+    else:
+        x = buffer
+        kwargs = {"return_stats": True, "out": (None, None, buffer[:, 1:2])}
+    with pytest.raises(normlab.ArgumentError, match="share"):
+        normlab.layer_norm(x, backend=backend, **kwargs)
+    np.testing.assert_array_equal(_numpy(buffer), before[0])
+    np.testing.assert_array_equal(_numpy(extra), before[1])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_rms_norm_weight_inside_out_is_refused(backend: str) -> None:
+    buffer = _convert(_x(3, 6), backend)
+    with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with weight"):
+        normlab.rms_norm(_convert(_x(3, 6), backend), weight=buffer[1], out=buffer, backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_in_place_with_separate_weight_still_works(backend: str) -> None:
+    x = _x(3, 8)
+    w = _x(8)
+    expected, _, _ = reference.layer_norm(x, weight=w)
+    xt, wt = _convert(x, backend), _convert(w, backend)
+    assert normlab.layer_norm(xt, weight=wt, out=xt, backend=backend) is xt
+    np.testing.assert_allclose(_numpy(xt), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_view_of_exactly_x_is_in_place(backend: str) -> None:
+    buffer = _convert(_x(3, 16), backend)
+    expected, _, _ = reference.layer_norm(_numpy(buffer[:, ::2]).copy())
+    normlab.layer_norm(buffer[:, ::2], out=buffer[:, ::2], backend=backend)
+    np.testing.assert_allclose(_numpy(buffer[:, ::2]), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_interleaved_columns_sharing_no_element_are_accepted(backend: str) -> None:
+    buffer = _convert(_x(3, 16), backend)
+    x, out = buffer[:, ::2], buffer[:, 1::2]
+    expected, _, _ = reference.layer_norm(_numpy(x).copy())
+    assert normlab.layer_norm(x, out=out, backend=backend) is out
+    np.testing.assert_allclose(_numpy(out), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_overlap_is_decided_exactly() -> None:
+    buffer = torch.randn(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(normlab.ArgumentError, match="shares memory with weight"):
+        normlab.layer_norm(torch.randn(4, 8, dtype=torch.bfloat16), weight=buffer[2], out=buffer)
+    normlab.layer_norm(buffer[:, ::2], out=buffer[:, 1::2])
+
+
+def test_undecided_overlap_is_written_through_a_temporary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no work allowed, NumPy's solver cannot decide interleaved strides: y must be
+    written through a temporary (never refused, never wrong), with weight read first."""
+    monkeypatch.setattr(spec, "OVERLAP_MAX_WORK", 0)
+    buffer = _x(4, 16)
+    x = _x(4, 8)
+    weight = buffer[0, ::2]
+    out = buffer[:, 1::2]
+    assert spec._shares_memory(out, weight) is None
+    expected, _, _ = reference.layer_norm(x, weight=weight.copy())
+    normlab.layer_norm(x, weight=weight, out=out, backend="numba")
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
+
+
+class _DeviceArray:
+    """A stand-in for a device array: an address and a layout, and no readable data."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        self.address, self.shape, self.strides = address, shape, strides
+
+
+class _DeviceInspector(arrays.Inspector):
+    def info(self, x: Any) -> arrays.ArrayInfo:
+        return arrays.ArrayInfo(
+            family="fake",
+            type_name="fake",
+            dtype="float32",
+            shape=x.shape,
+            strides=x.strides,
+            itemsize=4,
+            device="cuda:0",
+            device_kind="cuda",
+        )
+
+    def address(self, x: Any) -> int:
+        return int(x.address)
+
+
+def test_device_arrays_are_decided_from_address_shape_and_strides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inspector = _DeviceInspector(_DeviceArray, "fake")
+    real = arrays.inspector
+    monkeypatch.setattr(arrays, "inspector", lambda t: inspector if t is _DeviceArray else real(t))
+    base = 0x7F00_0000_0000  # a device address: never dereferenced
+    evens = _DeviceArray(base, (3, 8), (16, 2))
+    odds = _DeviceArray(base + 4, (3, 8), (16, 2))
+    row_two = _DeviceArray(base + 2 * 16 * 4, (8,), (2,))
+    assert spec._shares_memory(evens, odds) is False  # interleaved: bounds overlap, no element
+    assert spec._shares_memory(evens, row_two) is True
+    assert spec._shares_memory(odds, row_two) is False
+    with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with weight"):
+        spec.output_aliasing("layer_norm", {"x": odds, "weight": row_two}, {"y": evens})
+    assert spec.output_aliasing("layer_norm", {"x": evens}, {"y": evens}) == "in_place"
+    assert spec.output_aliasing("layer_norm", {"x": odds}, {"y": evens}) == "separate"
+
+
+def test_outputs_sharing_memory_with_each_other_are_refused(lib: Backend) -> None:
+    x = lib.from_numpy(_x(3, 4))
+    stats = lib.from_numpy(np.zeros((3, 1), np.float32))
+    with pytest.raises(normlab.ArgumentError, match=r"out \(rstd\) and out \(mean\) share"):
+        normlab.layer_norm(x, return_stats=True, out=(None, stats, stats))
