@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Final
 
 import pluggy
@@ -35,6 +36,7 @@ __all__ = [
     "PluginFailure",
     "get",
     "list_backends",
+    "module_problem",
     "plugin_failures",
     "register_plugin",
     "unregister_plugin",
@@ -61,7 +63,7 @@ class Backend:
         self.provided_by = provided_by
         self._reason: str | None = None
         self._checked = False
-        self._module: ModuleType | None = None
+        self._module: Any = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -130,6 +132,9 @@ class Backend:
             return None
 
     def _run_check(self) -> str | None:
+        missing = module_problem(self.record.module)
+        if missing is not None:
+            return f"{missing} (record from {self.provided_by})"
         if self.record.check is None:
             return None
         try:
@@ -141,17 +146,35 @@ class Backend:
         return f"availability check returned {reason!r}, not None or a reason"
 
     @property
-    def module(self) -> ModuleType:
-        """The backend's module, imported on first use."""
+    def module(self) -> Any:
+        """What holds the backend's functions, loaded on first use: the module ``record.module``
+        (``"pkg.mod"``), or an attribute of it (``"pkg.mod:attr"``).
+
+        A failed load raises BackendError and makes the backend unavailable, the error its
+        reason; cached dispatch choices are then stale (the registry's generation moves on).
+        """
         if self._module is None:
+            path, _, attr = self.record.module.partition(":")
             try:
-                self._module = importlib.import_module(self.record.module)
+                loaded: Any = importlib.import_module(path)
+                for part in attr.split(".") if attr else ():
+                    loaded = getattr(loaded, part)
             except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                self._mark_unavailable(f"its module {self.record.module!r} failed to load: {error}")
                 raise BackendError(
                     f"backend {self.name!r} (from {self.provided_by}) failed to load its module "
-                    f"{self.record.module!r}: {type(exc).__name__}: {exc}"
+                    f"{self.record.module!r}: {error}"
                 ) from exc
+            self._module = loaded
         return self._module
+
+    def _mark_unavailable(self, reason: str) -> None:
+        with self._lock:
+            self._reason = reason
+            self._checked = True
+        if _registry is not None and _registry.backends.get(self.name) is self:
+            _registry.generation += 1
 
     def function(self, op: str) -> Callable[..., Any]:
         """The backend's implementation of ``op``."""
@@ -309,13 +332,40 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(f"library must be a distribution name or None, got {record.library!r}")
     if not isinstance(record.priority, int):
         problems.append(f"priority must be an int, got {record.priority!r}")
-    if not isinstance(record.module, str) or not record.module:
-        problems.append(f"module must be an import path, got {record.module!r}")
+    if not isinstance(record.module, str) or not _is_module_path(record.module):
+        problems.append(
+            f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"
+        )
     if problems:
         raise BackendError(
             f"plugin {plugin_name!r}: malformed record {getattr(record, 'name', '?')!r}: "
             + "; ".join(problems)
         )
+
+
+def _is_module_path(path: str) -> bool:
+    module, colon, attr = path.partition(":")
+    dotted = [module, *([attr] if colon else [])]
+    return all(part and all(p.isidentifier() for p in part.split(".")) for part in dotted)
+
+
+def module_problem(path: str) -> str | None:
+    """Why the module of a record's ``module`` path (``"pkg.mod"`` or ``"pkg.mod:attr"``) cannot
+    be found, or ``None``; imports nothing (``importlib.util.find_spec`` on each package already
+    imported, stopping at the first that is not)."""
+    parts = path.partition(":")[0].split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in sys.modules:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None  # it exists but cannot be looked into without importing it
+        if spec is None:
+            return f"its module {path!r} cannot be found: no module named {name!r}"
+        return None  # deeper names need this package imported
+    return None
 
 
 def _env_list(name: str) -> list[str]:

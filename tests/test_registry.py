@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -224,6 +225,70 @@ def test_a_declared_op_without_a_function(register: Register) -> None:
     register(record("fake_no_op", module="json"))
     with pytest.raises(normlab.BackendError, match="defines no function 'layer_norm'"):
         normlab.layer_norm(FakeArray(np.ones((2, 3))), backend="fake_no_op")
+
+
+def test_a_module_that_cannot_be_found_is_unavailable_without_importing(
+    register: Register, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """find_spec, not an import: ``list_backends()`` and ``normlab info`` show it unavailable."""
+    imported: list[str] = []
+    real_import = importlib.import_module
+    monkeypatch.setattr(
+        importlib, "import_module", lambda n, *a: imported.append(n) or real_import(n, *a)
+    )
+    register(record("fake_typo", module="plugins_for_testz.kernels"))
+    backend = next(b for b in normlab.list_backends() if b.name == "fake_typo")
+    assert not backend.available
+    assert backend.reason == (
+        "its module 'plugins_for_testz.kernels' cannot be found: no module named "
+        "'plugins_for_testz' (record from register_plugin(fake_plugin_fake_typo))"
+    )
+    assert imported == []
+
+
+def test_a_failed_import_makes_the_backend_unavailable_and_calls_fall_back(
+    register: Register, no_preference: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The module is found but raises on import: the first default call warns once and falls
+    back to the next backend; from then on the backend is unavailable with the error as its
+    reason, cached choices are dropped, and no further warning is given."""
+    (tmp_path / "fake_raising_kernels.py").write_text("raise OSError('libfake.so: no such file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register(
+        record("fake_first", module="fake_raising_kernels", priority=5),
+        record("fake_second", priority=1),
+    )
+    first = registry.get("fake_first")
+    assert first.available  # found; not imported yet
+    generation = registry.registry().generation
+    x = FakeArray(np.ones((2, 3)))
+    with pytest.warns(normlab.NormlabWarning, match="fake_first.*libfake.so.*falling back"):
+        normlab.layer_norm(x)
+    assert len(CALLS) == 1  # fake_second served it
+    assert not first.available
+    assert "OSError: libfake.so: no such file" in (first.reason or "")
+    assert registry.registry().generation > generation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normlab.layer_norm(x)
+    assert len(CALLS) == 2
+    with pytest.raises(normlab.BackendError, match=r"unavailable: .*libfake\.so"):
+        normlab.layer_norm(x, backend="fake_first")
+
+
+def test_a_module_path_may_name_an_attribute(register: Register) -> None:
+    register(record("fake_attr", module="plugins_for_tests:AS_ATTRIBUTE"))
+    backend = registry.get("fake_attr")
+    assert backend.available
+    assert backend.function("layer_norm") is plugins_for_tests.layer_norm
+    y = normlab.layer_norm(FakeArray(np.arange(6.0).reshape(2, 3)), backend="fake_attr")
+    assert len(CALLS) == 1 and isinstance(y, FakeArray)
+
+
+@pytest.mark.parametrize("path", ["plugins_for_tests:", "a..b", "a:b:c", "a-b.c", ":attr"])
+def test_a_malformed_module_path_is_refused(register: Register, path: str) -> None:
+    with pytest.raises(normlab.BackendError, match="module must be an import path"):
+        register(record("fake_bad_path", module=path))
 
 
 @pytest.mark.parametrize("shape", [(2, 3), (5,), ()])

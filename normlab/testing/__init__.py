@@ -36,12 +36,16 @@ def check(
     backend_name: str,
     *,
     profile: str = "ci",
+    allow_unavailable: bool = False,
     extra_pytest_args: Sequence[str] = (),
     plugins: Sequence[object] = (),
 ) -> int:
     """Run the conformance suite against ``backend_name`` and return pytest's exit code.
 
     ``profile``: ``"ci"`` (fast, the same cases every run) or ``"full"`` (many more).
+    ``allow_unavailable``: a backend unavailable here has its tests skipped with the reason
+    (exit 0) instead of stopping the run; a backend that cannot load stops it either way
+    (:func:`normlab.testing.preflight.obstacle`, exit 4).
     ``extra_pytest_args`` go to pytest as they are (``-k``, ``-x``, ``--normlab-xfail ID``…);
     ``plugins`` are extra pytest plugin objects (say, one that records reports). 0 means every
     test passed or was skipped with its reason.
@@ -64,6 +68,7 @@ def check(
         "pytest.PytestAssertRewriteWarning",
         "-p",
         "no:cacheprovider",
+        *(["--normlab-allow-unavailable"] if allow_unavailable else []),
         *extra_pytest_args,
     ]
     return int(pytest.main(args, plugins=[pytest_plugin, *plugins]))

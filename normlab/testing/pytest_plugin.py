@@ -10,6 +10,14 @@ Options:
     --normlab-profile P     ``ci`` (fast, derandomized; the default) or ``full`` (thorough).
     --normlab-xfail ID      tests whose node id contains ID are expected to fail (repeatable);
                             an ID that matches no collected test is reported with a warning.
+    --normlab-allow-unavailable
+                            a backend unavailable here (no device, library not installed) has
+                            its tests skipped with the reason; without it the run stops.
+
+Before any test runs, each backend named must load: its module found and imported, every
+function its record declares defined (:mod:`.preflight`); otherwise the run stops with one line
+saying why (pytest's usage error, exit status 4). After the run, an area whose every test was
+skipped is named in the summary.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ __all__ = [
     "normlab_subject",
     "pytest_addoption",
     "pytest_collection_modifyitems",
+    "pytest_configure",
     "pytest_generate_tests",
 ]
 
@@ -54,6 +63,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="ID",
         help="expect tests whose node id contains ID to fail (warns if ID matches no test)",
     )
+    group.addoption(
+        "--normlab-allow-unavailable",
+        action="store_true",
+        help="skip the tests of a backend unavailable here (no device…) instead of failing",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    names = backend_names(config)
+    if not names:
+        return
+    from normlab.testing.preflight import obstacle
+
+    allow = bool(config.getoption("normlab_allow_unavailable"))
+    problems = [p for p in (obstacle(name, allow_unavailable=allow) for name in names) if p]
+    if problems:
+        raise pytest.UsageError("normlab check: " + "; ".join(problems))
+    config.pluginmanager.register(AreaSummary(), "normlab-area-summary")
 
 
 def backend_names(config: pytest.Config) -> list[str]:
@@ -107,3 +134,36 @@ def normlab_settings(request: pytest.FixtureRequest) -> settings:
     from normlab.testing.strategies import profile
 
     return profile(request.config.getoption("normlab_profile"))
+
+
+class AreaSummary:
+    """Notes each suite test's outcome by area; names, after the run, every area whose tests
+    were all skipped (with one of the reasons), so an all-skipped area never reads as a pass."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, dict[str, str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        from normlab.testing.areas import area_of
+
+        area = area_of(report.nodeid)
+        if area is None or not (report.when == "call" or report.skipped or report.failed):
+            return
+        reason = ""
+        if report.skipped and isinstance(report.longrepr, tuple):
+            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        outcome = "skipped" if report.skipped else report.outcome
+        self.outcomes.setdefault(area, {}).setdefault(report.nodeid, f"{outcome}:{reason}")
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from normlab.testing.areas import AREAS
+
+        for area in AREAS:
+            results = self.outcomes.get(area, {})
+            if results and all(r.startswith("skipped") for r in results.values()):
+                reason = next(iter(results.values())).partition(":")[2]
+                terminalreporter.write_line(
+                    f"normlab: every test of area {area!r} was skipped ({len(results)}), "
+                    f"e.g. {reason}",
+                    yellow=True,
+                )
