@@ -39,14 +39,16 @@ FLAWS: Final = {
     "bias_without_weight": "ignores bias when weight is None",
     "reads_x_after_writing": "recomputes the mean it returns from x after writing y into out, "
     "which is x's memory in place",
-    "writes_into_x": "normalizes in x's own memory when given no out, then copies y out of it",
+    "writes_into_x": "normalizes a C-contiguous x in x's own memory when given no out, then "
+    "copies y out of it",
     "rows_past_65535": "leaves rows from 65,536 on untouched (y zero, statistics zero)",
-    "drops_tail_block": "works in blocks of 2,048 rows and drops the last partial block",
+    "drops_tail_block": "works in blocks of 32,768 rows and drops the last partial block",
     "stats_wrap_65536": "writes the statistics of rows from 65,536 on over rows 0, 1, …: "
     "y right, statistics wrong",
     "overflow_squares": "sums x and its squares in the compute dtype (float32 for float32): "
     "they overflow near the dtype's max",
-    "flush_subnormals": "flushes subnormal inputs to zero before computing",
+    "flush_subnormals": "flushes inputs below float32's smallest normal to zero (float64: "
+    "below its own), as a CPU's flush-to-zero mode does",
     "rms_mean_subtracted": "RMSNorm that subtracts the mean (LayerNorm without bias)",
     "rms_variance": "RMSNorm that divides x by sqrt(var + eps), the variance, not the mean square",
     "rms_eps_outside_root": "RMSNorm that divides by sqrt(mean(x^2)) + eps",
@@ -76,6 +78,9 @@ ONLY: Final = {
     "overflow_squares": "magnitudes",
     "flush_subnormals": "magnitudes",
 }
+
+#: Rows per block of the drops_tail_block flaw.
+_BLOCK_ROWS: Final = 1 << 15
 
 #: The flaws of the RMSNorm kernel; the control has both ops too.
 RMS_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("rms_"))
@@ -142,9 +147,7 @@ def _read(x: np.ndarray, compute: np.dtype[Any], flaw: str) -> np.ndarray:
     """x's rows as a new array of ``compute`` (subnormals flushed to zero by that flaw)."""
     xc = x.astype(compute)
     if flaw == "flush_subnormals":
-        import ml_dtypes  # its finfo knows bfloat16 too
-
-        xc[np.abs(xc) < float(ml_dtypes.finfo(x.dtype).tiny)] = 0
+        xc[np.abs(xc) < np.finfo(np.float64 if x.dtype == np.float64 else np.float32).tiny] = 0
     return xc
 
 
@@ -156,15 +159,15 @@ def _shifted_mean(xc: np.ndarray, compute: np.dtype[Any]) -> np.ndarray:
 
 def _write(z: np.ndarray, x: np.ndarray, out: np.ndarray | None, flaw: str) -> np.ndarray:
     """y: ``z`` rounded to x's dtype, in ``out`` when given (rows dropped by some flaws)."""
-    if flaw == "writes_into_x" and out is None and x.flags.writeable:
+    if flaw == "writes_into_x" and out is None and x.flags.writeable and x.flags.c_contiguous:
         x[...] = z
         return x.copy()
     y = out if out is not None else np.empty(x.shape, x.dtype)
     written = z.shape[0]
     if flaw == "rows_past_65535":
         written = min(written, 65_536)
-    elif flaw == "drops_tail_block" and written > 2048:
-        written -= written % 2048
+    elif flaw == "drops_tail_block" and written > _BLOCK_ROWS:
+        written -= written % _BLOCK_ROWS
     y[:written] = z[:written]
     y[written:] = 0
     return y
@@ -180,8 +183,8 @@ def _stats_of(
             a[65_536:] = a[: a.shape[0] - 65_536].copy()
         elif flaw == "rows_past_65535":
             a[65_536:] = 0
-        elif flaw == "drops_tail_block" and a.shape[0] > 2048:
-            a[a.shape[0] - a.shape[0] % 2048 :] = 0
+        elif flaw == "drops_tail_block" and a.shape[0] > _BLOCK_ROWS:
+            a[a.shape[0] - a.shape[0] % _BLOCK_ROWS :] = 0
     return stats[0], stats[1]
 
 

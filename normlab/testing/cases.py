@@ -98,9 +98,7 @@ def _finfo(dtype: str) -> Any:
     return np.finfo(np.dtype(dtype))
 
 
-def _values(
-    kind: str, rows: int, cols: int, rng: np.random.Generator, dtype: str
-) -> np.ndarray:
+def _values(kind: str, rows: int, cols: int, rng: np.random.Generator, dtype: str) -> np.ndarray:
     """``(rows, cols)`` float64 values of ``kind`` (see :data:`VALUES`) for x of ``dtype``."""
     shape = (rows, cols)
     if kind == "subnormal":
