@@ -94,7 +94,7 @@ def _finfo(dtype: str) -> Any:
     if dtype == "bfloat16":
         import ml_dtypes
 
-        return ml_dtypes.finfo(ml_dtypes.bfloat16)
+        return ml_dtypes.finfo(ml_dtypes.bfloat16)  # type: ignore[no-untyped-call]
     return np.finfo(np.dtype(dtype))
 
 
