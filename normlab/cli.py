@@ -94,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a backend unavailable here (no device, library missing): skip its tests, exit 0",
     )
+    check.add_argument(
+        "--json", metavar="FILE", help="also write every test's result to FILE as JSON"
+    )
+    check.add_argument(
+        "--verbose",
+        action="store_true",
+        help="pytest's full report, tracebacks included (default: one line per failing test, "
+        "by area, with the code reproducing it)",
+    )
     check.set_defaults(handler=_check)
     kernels = commands.add_parser(
         "kernels", help="compile the CUDA kernels with NVRTC and report registers and spills"
@@ -202,11 +211,13 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
     if problem is not None:
         _error(problem)
         return 1
+    short = () if ns.verbose else ("-q", "--tb=no", "-rN", "--disable-warnings")
     code = testing.check(
         ns.name,
         profile=ns.profile,
         allow_unavailable=ns.allow_unavailable,
-        extra_pytest_args=tuple(pytest_args),
+        json_path=ns.json,
+        extra_pytest_args=(*short, *pytest_args),
     )
     return int(code)
 

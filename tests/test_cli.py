@@ -157,17 +157,21 @@ def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch)
         *,
         profile: str = "ci",
         allow_unavailable: bool = False,
+        json_path: str | None = None,
         extra_pytest_args: tuple[str, ...] = (),
     ) -> int:
-        calls.append((backend_name, profile, allow_unavailable, extra_pytest_args))
+        calls.append((backend_name, profile, allow_unavailable, json_path, extra_pytest_args))
         return 7
 
     monkeypatch.setattr(normlab.testing, "check", fake_check)
+    short = ("-q", "--tb=no", "-rN", "--disable-warnings")
     assert cli.main(["check", "numpy", "--profile", "full", "--", "-x", "-k", "offset"]) == 7
-    assert cli.main(["check", "numpy", "--allow-unavailable"]) == 7
+    assert cli.main(["check", "numpy", "--allow-unavailable", "--json", "r.json"]) == 7
+    assert cli.main(["check", "numpy", "--verbose"]) == 7
     assert calls == [
-        ("numpy", "full", False, ("-x", "-k", "offset")),
-        ("numpy", "ci", True, ()),
+        ("numpy", "full", False, None, (*short, "-x", "-k", "offset")),
+        ("numpy", "ci", True, "r.json", short),
+        ("numpy", "ci", False, None, ()),
     ]
 
 
@@ -375,3 +379,74 @@ def test_info_in_a_fresh_process_names_the_layer_requested() -> None:
     result = _python_m_normlab("info", NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
     assert "Numba threading layer: workqueue" in result.stdout
+
+
+def test_check_report_is_short_and_in_area_order(capsys: pytest.CaptureFixture[str]) -> None:
+    """A backend computing ``std + eps``: no tracebacks, failures by area with the eps test
+    named first, each failing test on one line followed by the code reproducing it."""
+    from mutants import registered
+
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--", "-k", "eps_inside or worked_example or test_out"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Traceback" not in out and "def test_" not in out
+    failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed[0].startswith("FAILED test_numerics.py::test_eps_inside_the_root[")
+    assert "AssertionError: y (" in failed[0]
+    areas = [line for line in out.splitlines() if line in ("[basics]", "[out/in place]")]
+    assert areas == ["[basics]", "[out/in place]"]
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("FAILED "):
+            assert lines[i + 1].strip() == "Reproduce with:", lines[i : i + 2]
+
+
+def test_check_verbose_brings_tracebacks_back(capsys: pytest.CaptureFixture[str]) -> None:
+    from mutants import registered
+
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--verbose", "--", "-k", "eps_inside_the_root"])
+    assert code == 1
+    assert "def test_eps_inside_the_root" in capsys.readouterr().out
+
+
+def test_check_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``normlab check NAME --json FILE`` and ``check(..., json_path=)``: one result per test."""
+    import json
+
+    from mutants import registered
+
+    import normlab.testing
+
+    path = tmp_path / "results.json"
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--json", str(path), "--", "-k", "worked_example"])
+    assert code == 1
+    document = json.loads(path.read_text())
+    assert {k: v for k, v in document.items() if k != "results"} == {
+        "schema": 1,
+        "normlab": normlab.__version__,
+        "backend": name,
+        "provided_by": "register_plugin(mutants.std_plus_eps)",
+        "profile": "ci",
+    }
+    by_outcome: dict[str, list[dict[str, str]]] = {}
+    for result in document["results"]:
+        assert set(result) == {"id", "area", "outcome", "message", "reproduce"}
+        assert result["area"] == "basics"
+        by_outcome.setdefault(result["outcome"], []).append(result)
+    failed = by_outcome["failed"][0]
+    assert failed["id"].startswith("test_numerics.py::test_worked_example[mutant_std_plus_eps-")
+    assert failed["message"].startswith("AssertionError: ")
+    assert failed["reproduce"].startswith("Reproduce with:\n    import normlab")
+    skipped = by_outcome["skipped"][0]  # rms_norm: not provided
+    assert "does not provide rms_norm" in skipped["message"] and skipped["reproduce"] is None
+
+    api_path = tmp_path / "api.json"
+    code = normlab.testing.check(
+        "numpy", json_path=api_path, extra_pytest_args=["-q", "-k", "worked"]
+    )
+    assert code == 0
+    results = json.loads(api_path.read_text())["results"]
+    assert results and {r["outcome"] for r in results} == {"passed"}

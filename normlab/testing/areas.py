@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["AREAS", "area_of"]
+__all__ = ["AREAS", "area_of", "rank_of"]
 
 #: The areas, in report order.
 AREAS: Final = (
@@ -32,6 +32,16 @@ _BY_TEST: Final = {
     "test_in_place_row_views": "out/in place",
 }
 
+#: The basics in the order their failures are listed: the test naming a flaw most precisely
+#: first (eps inside the root, then the worked example), the rest after them in run order.
+_FIRST: Final = (
+    "test_eps_inside_the_root",
+    "test_worked_example",
+    "test_rms_norm_worked_example",
+    "test_rms_norm_default_eps",
+    "test_affine_combinations",
+)
+
 _BY_MODULE: Final = {
     "test_numerics": "numerics",
     "test_results": "basics",
@@ -51,3 +61,12 @@ def area_of(nodeid: str) -> str | None:
     if module not in _BY_MODULE:
         return None
     return _BY_TEST.get(test.split("[")[0], _BY_MODULE[module])
+
+
+def rank_of(nodeid: str) -> tuple[int, int]:
+    """The sort key of ``nodeid`` in a report: its area's place in :data:`AREAS`, then the
+    test's place in :data:`_FIRST` (others after those, in run order)."""
+    area = area_of(nodeid)
+    test = nodeid.partition("::")[2].split("[")[0]
+    first = _FIRST.index(test) if test in _FIRST else len(_FIRST)
+    return (AREAS.index(area) if area is not None else len(AREAS), first)

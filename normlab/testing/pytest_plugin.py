@@ -10,14 +10,16 @@ Options:
     --normlab-profile P     ``ci`` (fast, derandomized; the default) or ``full`` (thorough).
     --normlab-xfail ID      tests whose node id contains ID are expected to fail (repeatable);
                             an ID that matches no collected test is reported with a warning.
+    --normlab-json FILE     write every test's result to FILE as JSON (:mod:`.report`).
     --normlab-allow-unavailable
                             a backend unavailable here (no device, library not installed) has
                             its tests skipped with the reason; without it the run stops.
 
 Before any test runs, each backend named must load: its module found and imported, every
 function its record declares defined (:mod:`.preflight`); otherwise the run stops with one line
-saying why (pytest's usage error, exit status 4). After the run, an area whose every test was
-skipped is named in the summary.
+saying why (pytest's usage error, exit status 4). After the run, :class:`.report.Report` lists
+the failures area by area, each with its first message and the code reproducing it, names each
+area whose every test was skipped, and writes the JSON of ``--normlab-json FILE``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="skip the tests of a backend unavailable here (no device…) instead of failing",
     )
+    group.addoption(
+        "--normlab-json",
+        default=None,
+        metavar="FILE",
+        help="write every test's result to FILE as JSON (one backend; see docs/testing.md)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -80,7 +88,14 @@ def pytest_configure(config: pytest.Config) -> None:
     problems = [p for p in (obstacle(name, allow_unavailable=allow) for name in names) if p]
     if problems:
         raise pytest.UsageError("normlab check: " + "; ".join(problems))
-    config.pluginmanager.register(AreaSummary(), "normlab-area-summary")
+    json_path = config.getoption("normlab_json")
+    if json_path is not None and len(names) != 1:
+        raise pytest.UsageError("normlab check: --normlab-json takes a run of one backend")
+    from normlab.testing.report import Report
+
+    profile = config.getoption("normlab_profile")
+    for name in names:
+        config.pluginmanager.register(Report(name, profile, json_path), f"normlab-report-{name}")
 
 
 def backend_names(config: pytest.Config) -> list[str]:
@@ -134,36 +149,3 @@ def normlab_settings(request: pytest.FixtureRequest) -> settings:
     from normlab.testing.strategies import profile
 
     return profile(request.config.getoption("normlab_profile"))
-
-
-class AreaSummary:
-    """Notes each suite test's outcome by area; names, after the run, every area whose tests
-    were all skipped (with one of the reasons), so an all-skipped area never reads as a pass."""
-
-    def __init__(self) -> None:
-        self.outcomes: dict[str, dict[str, str]] = {}
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        from normlab.testing.areas import area_of
-
-        area = area_of(report.nodeid)
-        if area is None or not (report.when == "call" or report.skipped or report.failed):
-            return
-        reason = ""
-        if report.skipped and isinstance(report.longrepr, tuple):
-            reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-        outcome = "skipped" if report.skipped else report.outcome
-        self.outcomes.setdefault(area, {}).setdefault(report.nodeid, f"{outcome}:{reason}")
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        from normlab.testing.areas import AREAS
-
-        for area in AREAS:
-            results = self.outcomes.get(area, {})
-            if results and all(r.startswith("skipped") for r in results.values()):
-                reason = next(iter(results.values())).partition(":")[2]
-                terminalreporter.write_line(
-                    f"normlab: every test of area {area!r} was skipped ({len(results)}), "
-                    f"e.g. {reason}",
-                    yellow=True,
-                )

@@ -73,9 +73,15 @@ def test_worked_example(normlab_subject: Subject, dtype: str, eps: float) -> Non
     assert mean is not None and rstd is not None
     atol = {"bfloat16": 1e-2, "float16": 2e-3}.get(dtype, 1e-3)
     expected = np.array([[-1.342, -0.447, 0.447, 1.342]] * 2)
-    assert np.allclose(y.astype(np.float64), expected, atol=atol), f"{y}\n{case.snippet(name)}"
-    assert np.all(mean == 4.0), mean
-    assert np.allclose(rstd, 1 / np.sqrt(5.0 + eps), rtol=1e-6), rstd
+    snippet = case.snippet(name)
+    assert np.allclose(y.astype(np.float64), expected, atol=atol), (
+        f"y of [1, 3, 5, 7] is {y[0].tolist()}, not [-1.342, -0.447, 0.447, 1.342]\n{snippet}"
+    )
+    assert np.all(mean == 4.0), f"mean of [1, 3, 5, 7] is {mean.ravel().tolist()}, not 4\n{snippet}"
+    assert np.allclose(rstd, 1 / np.sqrt(5.0 + eps), rtol=1e-6), (
+        f"rstd of [1, 3, 5, 7] is {rstd.ravel().tolist()}, not 1/sqrt(5 + eps) = "
+        f"{1 / np.sqrt(5.0 + eps):.7f}\n{snippet}"
+    )
     case.check(name)
 
 
