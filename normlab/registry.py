@@ -13,16 +13,20 @@ and skipped. A backend name already taken is refused with an error naming both s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
+import re
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Final
 
 import pluggy
@@ -44,6 +48,13 @@ __all__ = [
 
 BUILTIN: Final = "built-in"
 ENTRY_POINT_GROUP: Final = "normlab"
+
+#: What a dtype name looks like (NumPy's and ml_dtypes' names): "fp32" is none, "int8" is one
+#: (which normlab does not serve: warned about and dropped from the record).
+_DTYPE_NAME: Final = re.compile(
+    r"(bool|u?int(2|4|8|16|32|64)|float(16|32|64|80|96|128)|complex(64|128|160|192|256)"
+    r"|bfloat16|float[468]_e\d+m\d+[a-z]*)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +224,7 @@ class Registry:
             self._register_safely(
                 functools.partial(importlib.import_module, module_name),
                 module_name,
-                f"NORMLAB_PLUGINS ({module_name})",
+                f"NORMLAB_PLUGINS ({module_name}){_distribution_of(module_name)}",
             )
         if os.environ.get("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
             return
@@ -237,9 +248,7 @@ class Registry:
 
     def _fail(self, plugin: str, source: str, error: str) -> None:
         self.failures.append(PluginFailure(plugin, source, error))
-        warnings.warn(
-            f"normlab plugin {plugin!r} ({source}) skipped: {error}", NormlabWarning, stacklevel=3
-        )
+        _warn_at_plugin(f"normlab plugin {plugin!r} ({source}) skipped: {error}", plugin)
 
     def register(self, plugin: Any, *, source: str, name: str | None = None) -> list[Backend]:
         """Register ``plugin`` and its backends; all-or-nothing, BackendError on any problem."""
@@ -261,8 +270,9 @@ class Registry:
         self.generation += 1
         return new
 
-    def _records_of(self, plugin: Any, plugin_name: str) -> list[Any]:
-        records: list[Any] = []
+    def _records_of(self, plugin: Any, plugin_name: str) -> list[tuple[Any, Callable[..., Any]]]:
+        """The plugin's records, each with the hook function that returned it."""
+        records: list[tuple[Any, Callable[..., Any]]] = []
         for impl in self.manager.hook.normlab_backends.get_hookimpls():
             if impl.plugin is not plugin:
                 continue
@@ -273,7 +283,7 @@ class Registry:
                         f"plugin {plugin_name!r}: normlab_backends() must return a list of "
                         f"BackendRecord, got {type(result).__name__}"
                     )
-                records.extend(result)  # a generator may raise here
+                records.extend((record, impl.function) for record in result)  # may raise
             except BackendError:
                 raise
             except Exception as exc:
@@ -281,13 +291,24 @@ class Registry:
                     f"plugin {plugin_name!r}: normlab_backends() raised {type(exc).__name__}: {exc}"
                 ) from exc
         if not records:
-            raise BackendError(f"plugin {plugin_name!r} provides no normlab_backends() records")
+            hint = ""
+            if callable(getattr(plugin, "normlab_backends", None)):
+                hint = (
+                    "; it defines normlab_backends without the @normlab.hookimpl decorator, "
+                    "which normlab needs to find it"
+                )
+            raise BackendError(
+                f"plugin {plugin_name!r} provides no normlab_backends() records{hint}"
+            )
         return records
 
-    def _admit(self, records: list[Any], plugin_name: str, source: str) -> list[Backend]:
+    def _admit(
+        self, records: list[tuple[Any, Callable[..., Any]]], plugin_name: str, source: str
+    ) -> list[Backend]:
         new: list[Backend] = []
-        for record in records:
+        for record, hook in records:
             _check_record(record, plugin_name)
+            record = _served_dtypes_only(record, plugin_name, hook)
             taken = self.backends.get(record.name) or next(
                 (b for b in new if b.name == record.name), None
             )
@@ -307,7 +328,7 @@ class Registry:
         name = self.manager.get_name(obj)
         if name == "normlab.backends":
             raise BackendError("the built-in backends cannot be unregistered")
-        names = {r.name for r in self._records_of(obj, str(name))}
+        names = {r.name for r, _ in self._records_of(obj, str(name))}
         self.manager.unregister(obj)
         for backend_name in names:
             self.backends.pop(backend_name, None)
@@ -326,6 +347,13 @@ def _check_record(record: Any, plugin_name: str) -> None:
         value = getattr(record, field_name)
         if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
             problems.append(f"{field_name} must be a frozenset of str, got {value!r}")
+    if isinstance(record.dtypes, frozenset):
+        not_dtypes = sorted(d for d in record.dtypes if not _DTYPE_NAME.fullmatch(str(d)))
+        if not_dtypes:
+            problems.append(
+                f"dtypes {not_dtypes} are not dtype names (normlab serves float16, bfloat16, "
+                "float32, float64)"
+            )
     if isinstance(record.capabilities, frozenset) and record.capabilities - CAPABILITIES:
         problems.append(f"unknown capabilities {sorted(record.capabilities - CAPABILITIES)}")
     if record.library is not None and not isinstance(record.library, str):
@@ -341,6 +369,67 @@ def _check_record(record: Any, plugin_name: str) -> None:
             f"plugin {plugin_name!r}: malformed record {getattr(record, 'name', '?')!r}: "
             + "; ".join(problems)
         )
+
+
+def _served_dtypes_only(
+    record: BackendRecord, plugin_name: str, hook: Callable[..., Any]
+) -> BackendRecord:
+    """``record`` without the dtypes normlab does not serve (a warning names them)."""
+    from normlab.spec import FLOAT_DTYPES
+
+    unserved = record.dtypes - frozenset(FLOAT_DTYPES)
+    if not unserved:
+        return record
+    _warn_at(
+        f"normlab plugin {plugin_name!r}: backend {record.name!r} lists dtypes "
+        f"{sorted(unserved)}, which normlab does not serve (it serves "
+        f"{', '.join(FLOAT_DTYPES)}); ignoring them",
+        hook,
+    )
+    return dataclasses.replace(record, dtypes=record.dtypes - unserved)
+
+
+def _warn_at(message: str, where: Callable[..., Any]) -> None:
+    """A NormlabWarning attributed to the plugin's function ``where`` (its file and line), so
+    that it points at the plugin, not at normlab."""
+    code = getattr(inspect.unwrap(where), "__code__", None)
+    filename = code.co_filename if code is not None else "<normlab plugin>"
+    lineno = code.co_firstlineno if code is not None else 1
+    module = getattr(where, "__module__", None) or "normlab.plugin"
+    warnings.warn_explicit(message, NormlabWarning, filename, lineno, module=module)
+
+
+def _warn_at_plugin(message: str, plugin: str) -> None:
+    """A NormlabWarning attributed to the file of the plugin named ``plugin`` (a module name or
+    an entry point's ``pkg.mod:attr``), where that file can be found without importing."""
+    module = plugin.partition(":")[0]
+    filename = "<normlab plugin>"
+    if module_problem(module) is None:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            filename = spec.origin
+    warnings.warn_explicit(message, NormlabWarning, filename, 1, module=module or plugin)
+
+
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()  # type: ignore[return-value]
+
+
+def _distribution_of(module_name: str) -> str:
+    """``", <distribution> <version>"`` of the installed distribution holding the top-level
+    package of ``module_name``, or ``""`` (a module outside any distribution)."""
+    top = module_name.partition(".")[0].partition(":")[0]
+    names = list(dict.fromkeys(_packages_distributions().get(top, [])))
+    if len(names) != 1:
+        return ""
+    try:
+        return f", {names[0]} {importlib.metadata.version(names[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _is_module_path(path: str) -> bool:
@@ -417,8 +506,10 @@ def register_plugin(plugin: Any, name: str | None = None) -> list[Backend]:
 
     Raises BackendError if it is malformed or a backend name is taken (nothing is registered).
     """
+    source = f"register_plugin({name or _name_of(plugin)})"
+    module = getattr(plugin, "__module__", None) if not isinstance(plugin, ModuleType) else None
     return registry().register(
-        plugin, source=f"register_plugin({name or _name_of(plugin)})", name=name
+        plugin, source=source + _distribution_of(module or _name_of(plugin)), name=name
     )
 
 

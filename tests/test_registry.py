@@ -327,6 +327,66 @@ def test_normlab_plugins_loads_modules_and_records_failures(
     assert "import failed: ModuleNotFoundError" in failure.error
 
 
+def test_a_plugin_that_fails_to_import_is_warned_about_at_its_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The warning points at the plugin's own file, not at normlab/registry.py."""
+    broken = tmp_path / "fake_broken_plugin.py"
+    broken.write_text("raise RuntimeError('half-installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NORMLAB_PLUGINS", "fake_broken_plugin")
+    monkeypatch.setenv("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.warns(normlab.NormlabWarning, match="half-installed") as warned:
+        Registry().load_defaults()
+    assert [w.filename for w in warned] == [str(broken)]
+
+
+def test_normlab_plugins_shows_the_distribution_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin loaded through NORMLAB_PLUGINS names its distribution and version, as an
+    entry-point one does (normlab info shows provided_by)."""
+    version = importlib.metadata.version("normlab-example")
+    monkeypatch.setenv("NORMLAB_PLUGINS", "normlab_example")
+    monkeypatch.setenv("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "1")
+    fresh = Registry()
+    fresh.load_defaults()
+    assert fresh.backends["example"].provided_by == (
+        f"NORMLAB_PLUGINS (normlab_example), normlab-example {version}"
+    )
+
+
+def test_register_plugin_shows_the_distribution_version() -> None:
+    import normlab_example
+
+    version = importlib.metadata.version("normlab-example")
+    fresh = Registry()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_registry", fresh)
+        (backend,) = normlab.register_plugin(normlab_example)
+    assert backend.provided_by == (f"register_plugin(normlab_example), normlab-example {version}")
+
+
+def test_a_hook_without_hookimpl_gets_a_hint() -> None:
+    module = ModuleType("fake_undecorated_plugin")
+    module.normlab_backends = lambda: [record("fake_undecorated")]  # type: ignore[attr-defined]
+    with pytest.raises(normlab.BackendError, match=r"without the @normlab\.hookimpl decorator"):
+        normlab.register_plugin(module)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "float", "Float32", "f4"])
+def test_a_dtype_that_is_no_dtype_name_is_refused(register: Register, dtype: str) -> None:
+    with pytest.raises(normlab.BackendError, match=rf"dtypes \['{dtype}'\] are not dtype names"):
+        register(record("fake_fp32", dtypes=frozenset({"float32", dtype})))
+    assert "fake_fp32" not in _names()
+
+
+def test_a_dtype_normlab_does_not_serve_is_ignored_with_a_warning(register: Register) -> None:
+    """The rest of the record (and the plugin) stays; the warning points at the plugin's hook."""
+    with pytest.warns(normlab.NormlabWarning, match=r"\['int8', 'uint8'\].*ignoring") as warned:
+        register(record("fake_int8", dtypes=frozenset({"float32", "int8", "uint8"})))
+    assert registry.get("fake_int8").dtypes == frozenset({"float32"})
+    assert [w.filename for w in warned] == [plugins_for_tests.__file__]
+
+
 def test_entry_points_load_and_failures_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NORMLAB_PLUGINS", raising=False)
     monkeypatch.delenv("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", raising=False)
