@@ -105,11 +105,16 @@ def test_x_never_modified(normlab_subject: Subject, op: str, layout: str) -> Non
     x, kwargs = case.inputs(normlab_subject.name)
     arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
     before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
-    case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
     for what, a in arrays.items():
         assert normlab_subject.to_numpy(a).tobytes() == before[what], (
             f"{what} was modified\n{case.snippet(normlab_subject.name)}"
         )
+    y, mean, rstd = (
+        None if a is None else normlab_subject.to_numpy(a) for a in case.unpack(result)
+    )
+    assert y is not None
+    case.compare(y, mean, rstd, backend=normlab_subject.name)
 
 
 @pytest.mark.parametrize("return_stats", [False, True])
