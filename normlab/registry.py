@@ -233,22 +233,27 @@ class Registry:
             source = (
                 f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
             )
-            self._register_safely(ep.load, ep.name, source)
+            self._register_safely(ep.load, ep.name, source, where=ep.value)
 
-    def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
+    def _register_safely(
+        self, load: Callable[[], Any], name: str, source: str, where: str | None = None
+    ) -> None:
+        """Register what ``load`` returns; a failure is recorded and warned about at the
+        plugin's file (``where``: its import path, default ``name``)."""
         try:
             plugin = load()
         except (Exception, SystemExit) as exc:
-            self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
+            self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}", where)
             return
         try:
             self.register(plugin, source=source, name=name)
         except BackendError as exc:
-            self._fail(name, source, str(exc))
+            self._fail(name, source, str(exc), where)
 
-    def _fail(self, plugin: str, source: str, error: str) -> None:
+    def _fail(self, plugin: str, source: str, error: str, where: str | None) -> None:
         self.failures.append(PluginFailure(plugin, source, error))
-        _warn_at_plugin(f"normlab plugin {plugin!r} ({source}) skipped: {error}", plugin)
+        message = f"normlab plugin {plugin!r} ({source}) skipped: {error}"
+        _warn_at_plugin(message, where or plugin)
 
     def register(self, plugin: Any, *, source: str, name: str | None = None) -> list[Backend]:
         """Register ``plugin`` and its backends; all-or-nothing, BackendError on any problem."""
@@ -404,10 +409,11 @@ def _warn_at_plugin(message: str, plugin: str) -> None:
     an entry point's ``pkg.mod:attr``), where that file can be found without importing."""
     module = plugin.partition(":")[0]
     filename = "<normlab plugin>"
-    if module_problem(module) is None:
+    parent = module.rpartition(".")[0]
+    if not parent or parent in sys.modules:  # else find_spec would import the parent
         try:
             spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
+        except Exception:  # a half-imported module; the warning then names no file
             spec = None
         if spec is not None and spec.origin:
             filename = spec.origin
