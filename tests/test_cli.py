@@ -234,6 +234,15 @@ def test_check_refuses_a_backend_that_cannot_load(
     assert "passed" not in captured.out and "skipped" not in captured.out
 
 
+def test_info_shows_a_backend_whose_module_cannot_be_found_as_unavailable(
+    wide: None, unloadable_backends: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["info"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "│ cli_typo " in line)
+    assert "unavailable — its module 'normlab.backends.numpy_backendd' cannot be found" in row
+    assert "normlab.backends.numpy_backendd" not in sys.modules
+
+
 def test_check_allow_unavailable_skips(
     unloadable_backends: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
