@@ -98,6 +98,20 @@ def _parser() -> argparse.ArgumentParser:
         default="ci",
         help="ci: fast, the same cases every run (default); full: many more, new each run",
     )
+    check.add_argument(
+        "--allow-unavailable",
+        action="store_true",
+        help="a backend unavailable here (no device, library missing): skip its tests, exit 0",
+    )
+    check.add_argument(
+        "--json", metavar="FILE", help="also write every test's result to FILE as JSON"
+    )
+    check.add_argument(
+        "--verbose",
+        action="store_true",
+        help="pytest's full report, tracebacks included (default: one line per failing test, "
+        "by area, with the code reproducing it)",
+    )
     check.set_defaults(handler=_check)
     kernels = commands.add_parser(
         "kernels", help="compile the CUDA kernels with NVRTC and report registers and spills"
@@ -269,7 +283,9 @@ def _dtype_order(dtypes: Iterable[str]) -> list[str]:
 
 
 def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
-    """Run ``normlab.testing.check`` on one backend and return its exit status."""
+    """Run ``normlab.testing.check`` on one backend and return its exit status: 2 when the
+    backend is unknown or the suite's dependencies are missing, 1 when the backend cannot load
+    (or is unavailable here, without ``--allow-unavailable``), each said in one line."""
     try:
         registry.get(ns.name)
     except BackendError as exc:
@@ -280,8 +296,21 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
         _error(f"the conformance suite needs {' and '.join(missing)}: pip install 'normlab[test]'")
         return 2
     from normlab import testing
+    from normlab.testing.preflight import obstacle
 
-    return int(testing.check(ns.name, profile=ns.profile, extra_pytest_args=tuple(pytest_args)))
+    problem = obstacle(ns.name, allow_unavailable=ns.allow_unavailable)
+    if problem is not None:
+        _error(problem)
+        return 1
+    short = () if ns.verbose else ("-q", "--tb=no", "-rN", "--disable-warnings")
+    code = testing.check(
+        ns.name,
+        profile=ns.profile,
+        allow_unavailable=ns.allow_unavailable,
+        json_path=ns.json,
+        extra_pytest_args=(*short, *pytest_args),
+    )
+    return int(code)
 
 
 # --------------------------------------------------------------------------------------------

@@ -167,6 +167,17 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     return choice
 
 
+def _load_failure(backend: Backend) -> str | None:
+    """``None`` when ``backend``'s module loads; else, once (the backend is unavailable from
+    then on), a warning that the call falls back, and the reason."""
+    try:
+        backend.module  # noqa: B018 (loads it)
+    except BackendError as exc:
+        warnings.warn(f"{exc}; falling back to the next backend", NormlabWarning, stacklevel=5)
+        return f"unavailable: {backend.reason}"
+    return None
+
+
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     if named is not None:
         backend = backend_named(named)
@@ -180,7 +191,7 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     notes: list[str] = []
     if preference is not None:
         backend = backend_named(preference)
-        why = refusal(backend, plan, named=True)
+        why = refusal(backend, plan, named=True) or _load_failure(backend)
         if why is None:
             return Choice(
                 backend,
@@ -191,6 +202,8 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
     chosen: Backend | None = None
     for backend in registry.list_backends():
         why = refusal(backend, plan, named=False)
+        if why is None and chosen is None:
+            why = _load_failure(backend)
         if why is not None:
             notes.append(f"{backend.name} (priority {backend.priority}): {why}")
         elif chosen is None:

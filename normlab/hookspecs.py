@@ -27,10 +27,12 @@ like=None)`` (the conformance suite drives every backend through these two; ``li
 array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
 that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
 
-The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend reads
-``op``, ``rows``, ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``,
-``return_stats``, ``weight_dtype``, ``bias_dtype``, and for context ``shape``, ``axes`` and
-``normalized_shape`` (the caller's view of the call).
+The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
+the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
+``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
+``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``device``, and for context
+``shape``, ``axes``, ``batch_axes`` and ``normalized_shape`` (the caller's view of the call).
+The rest of a Plan is the core's routing.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ from typing import Final
 
 import pluggy
 
-__all__ = ["CAPABILITIES", "PROJECT", "BackendRecord", "hookimpl", "hookspec", "normlab_backends"]
+__all__ = [
+    "CAPABILITIES",
+    "PLAN_FIELDS",
+    "PROJECT",
+    "BackendRecord",
+    "hookimpl",
+    "hookspec",
+    "normlab_backends",
+]
 
 PROJECT: Final = "normlab"
 hookspec: Final = pluggy.HookspecMarker(PROJECT)
@@ -59,13 +69,36 @@ CAPABILITIES: Final = frozenset(
 )
 
 
+#: The fields of a :class:`~normlab.Plan` a backend may read.
+PLAN_FIELDS: Final = (
+    "op",
+    "rows",
+    "cols",
+    "dtype",
+    "compute_dtype",
+    "stats_dtype",
+    "eps",
+    "return_stats",
+    "weight_dtype",
+    "bias_dtype",
+    "has_weight",
+    "has_bias",
+    "device",
+    "shape",
+    "axes",
+    "batch_axes",
+    "normalized_shape",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class BackendRecord:
     """Static description of one backend, as returned by the ``normlab_backends`` hook.
 
     Attributes:
         name: unique backend name (``backend="name"`` selects it).
-        module: import path of the module holding the op functions and the NumPy converters.
+        module: where the op functions and the NumPy converters live: the import path of a
+            module (``"pkg.mod"``), or of an object in it (``"pkg.mod:attr"``).
         families: array families served by default (``"numpy"``, ``"torch"``, ``"cupy"``, …).
         devices: device kinds served (``"cpu"``, ``"cuda"``).
         dtypes: dtype names served (``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"``).

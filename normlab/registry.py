@@ -13,10 +13,15 @@ and skipped. A backend name already taken is refused with an error naming both s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
+import inspect
 import os
+import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -35,6 +40,7 @@ __all__ = [
     "PluginFailure",
     "get",
     "list_backends",
+    "module_problem",
     "plugin_failures",
     "register_plugin",
     "unregister_plugin",
@@ -44,6 +50,13 @@ BUILTIN: Final = "built-in"
 #: Why a plugin may not call normlab while it is loaded.
 LOADING: Final = "normlab is loading plugins; do not call normlab from a plugin's import or hook"
 ENTRY_POINT_GROUP: Final = "normlab"
+
+#: What a dtype name looks like (NumPy's and ml_dtypes' names): "fp32" is none, "int8" is one
+#: (which normlab does not serve: warned about and dropped from the record).
+_DTYPE_NAME: Final = re.compile(
+    r"(bool|u?int(2|4|8|16|32|64)|float(16|32|64|80|96|128)|complex(64|128|160|192|256)"
+    r"|bfloat16|float[468]_e\d+m\d+[a-z]*)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +76,7 @@ class Backend:
         self.provided_by = provided_by
         self._reason: str | None = None
         self._checked = False
-        self._module: ModuleType | None = None
+        self._module: Any = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -132,6 +145,9 @@ class Backend:
             return None
 
     def _run_check(self) -> str | None:
+        missing = module_problem(self.record.module)
+        if missing is not None:
+            return f"{missing} (record from {self.provided_by})"
         if self.record.check is None:
             return None
         try:
@@ -143,26 +159,38 @@ class Backend:
         return f"availability check returned {reason!r}, not None or a reason"
 
     @property
-    def module(self) -> ModuleType:
-        """The backend's module, imported on first use."""
+    def module(self) -> Any:
+        """What holds the backend's functions, loaded on first use: the module ``record.module``
+        (``"pkg.mod"``), or an attribute of it (``"pkg.mod:attr"``).
+
+        A failed load raises BackendError and makes the backend unavailable, the error its
+        reason; cached dispatch choices are then stale (the registry's generation moves on).
+        """
         if self._module is None:
+            path, _, attr = self.record.module.partition(":")
             try:
-                self._module = importlib.import_module(self.record.module)
+                loaded: Any = importlib.import_module(path)
+                for part in attr.split(".") if attr else ():
+                    loaded = getattr(loaded, part)
             except KeyboardInterrupt:
                 # A half-imported library cannot be imported again in this process.
                 self._mark_unavailable(f"{self.name}'s import was interrupted; restart the process")
                 raise
             except (Exception, SystemExit) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                self._mark_unavailable(f"its module {self.record.module!r} failed to load: {error}")
                 raise BackendError(
                     f"backend {self.name!r} (from {self.provided_by}) failed to load its module "
-                    f"{self.record.module!r}: {type(exc).__name__}: {exc}"
+                    f"{self.record.module!r}: {error}"
                 ) from exc
+            self._module = loaded
         return self._module
 
     def _mark_unavailable(self, reason: str) -> None:
         with self._lock:
             self._reason, self._checked = reason, True
-        if _registry is not None:  # cached choices that named this backend are stale
+        # cached choices that named this backend are stale
+        if _registry is not None and _registry.backends.get(self.name) is self:
             _registry.generation += 1
 
     def function(self, op: str) -> Callable[..., Any]:
@@ -204,7 +232,7 @@ class Registry:
             self._register_safely(
                 functools.partial(importlib.import_module, module_name),
                 module_name,
-                f"NORMLAB_PLUGINS ({module_name})",
+                f"NORMLAB_PLUGINS ({module_name}){_distribution_of(module_name)}",
             )
         if os.environ.get("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
             return
@@ -213,32 +241,35 @@ class Registry:
             source = (
                 f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
             )
-            self._register_safely(ep.load, ep.name, source)
+            self._register_safely(ep.load, ep.name, source, where=ep.value)
 
-    def _register_safely(self, load: Callable[[], Any], name: str, source: str) -> None:
+    def _register_safely(
+        self, load: Callable[[], Any], name: str, source: str, where: str | None = None
+    ) -> None:
+        """Register what ``load`` returns; a failure is recorded and warned about at the
+        plugin's file (``where``: its import path, default ``name``)."""
         self.called_while_loading = False
         try:
             plugin = load()
         except (Exception, SystemExit) as exc:
-            self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}")
+            self._fail(name, source, f"import failed: {type(exc).__name__}: {exc}", where)
             return
         try:
             admitted = self.register(plugin, source=source, name=name)
         except BackendError as exc:
-            self._fail(name, source, LOADING if self.called_while_loading else str(exc))
+            self._fail(name, source, LOADING if self.called_while_loading else str(exc), where)
             return
         if self.called_while_loading:  # it caught the BackendError, but it is still refused
             self.manager.unregister(plugin)
             for backend in admitted:
                 del self.backends[backend.name]
             self.generation += 1
-            self._fail(name, source, LOADING)
+            self._fail(name, source, LOADING, where)
 
-    def _fail(self, plugin: str, source: str, error: str) -> None:
+    def _fail(self, plugin: str, source: str, error: str, where: str | None) -> None:
         self.failures.append(PluginFailure(plugin, source, error))
-        warnings.warn(
-            f"normlab plugin {plugin!r} ({source}) skipped: {error}", NormlabWarning, stacklevel=3
-        )
+        message = f"normlab plugin {plugin!r} ({source}) skipped: {error}"
+        _warn_at_plugin(message, where or plugin)
 
     def register(self, plugin: Any, *, source: str, name: str | None = None) -> list[Backend]:
         """Register ``plugin`` and its backends; all-or-nothing, BackendError on any problem."""
@@ -260,8 +291,9 @@ class Registry:
         self.generation += 1
         return new
 
-    def _records_of(self, plugin: Any, plugin_name: str) -> list[Any]:
-        records: list[Any] = []
+    def _records_of(self, plugin: Any, plugin_name: str) -> list[tuple[Any, Callable[..., Any]]]:
+        """The plugin's records, each with the hook function that returned it."""
+        records: list[tuple[Any, Callable[..., Any]]] = []
         for impl in self.manager.hook.normlab_backends.get_hookimpls():
             if impl.plugin is not plugin:
                 continue
@@ -272,7 +304,7 @@ class Registry:
                         f"plugin {plugin_name!r}: normlab_backends() must return a list of "
                         f"BackendRecord, got {type(result).__name__}"
                     )
-                records.extend(result)  # a generator may raise here
+                records.extend((record, impl.function) for record in result)  # may raise
             except BackendError:
                 raise
             except (Exception, SystemExit) as exc:
@@ -280,13 +312,24 @@ class Registry:
                     f"plugin {plugin_name!r}: normlab_backends() raised {type(exc).__name__}: {exc}"
                 ) from exc
         if not records:
-            raise BackendError(f"plugin {plugin_name!r} provides no normlab_backends() records")
+            hint = ""
+            if callable(getattr(plugin, "normlab_backends", None)):
+                hint = (
+                    "; it defines normlab_backends without the @normlab.hookimpl decorator, "
+                    "which normlab needs to find it"
+                )
+            raise BackendError(
+                f"plugin {plugin_name!r} provides no normlab_backends() records{hint}"
+            )
         return records
 
-    def _admit(self, records: list[Any], plugin_name: str, source: str) -> list[Backend]:
+    def _admit(
+        self, records: list[tuple[Any, Callable[..., Any]]], plugin_name: str, source: str
+    ) -> list[Backend]:
         new: list[Backend] = []
-        for record in records:
+        for record, hook in records:
             _check_record(record, plugin_name)
+            record = _served_dtypes_only(record, plugin_name, hook)
             taken = self.backends.get(record.name) or next(
                 (b for b in new if b.name == record.name), None
             )
@@ -306,7 +349,7 @@ class Registry:
         name = self.manager.get_name(obj)
         if name == "normlab.backends":
             raise BackendError("the built-in backends cannot be unregistered")
-        names = {r.name for r in self._records_of(obj, str(name))}
+        names = {r.name for r, _ in self._records_of(obj, str(name))}
         self.manager.unregister(obj)
         for backend_name in names:
             self.backends.pop(backend_name, None)
@@ -325,19 +368,115 @@ def _check_record(record: Any, plugin_name: str) -> None:
         value = getattr(record, field_name)
         if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
             problems.append(f"{field_name} must be a frozenset of str, got {value!r}")
+    if isinstance(record.dtypes, frozenset):
+        not_dtypes = sorted(d for d in record.dtypes if not _DTYPE_NAME.fullmatch(str(d)))
+        if not_dtypes:
+            problems.append(
+                f"dtypes {not_dtypes} are not dtype names (normlab serves float16, bfloat16, "
+                "float32, float64)"
+            )
     if isinstance(record.capabilities, frozenset) and record.capabilities - CAPABILITIES:
         problems.append(f"unknown capabilities {sorted(record.capabilities - CAPABILITIES)}")
     if record.library is not None and not isinstance(record.library, str):
         problems.append(f"library must be a distribution name or None, got {record.library!r}")
     if not isinstance(record.priority, int):
         problems.append(f"priority must be an int, got {record.priority!r}")
-    if not isinstance(record.module, str) or not record.module:
-        problems.append(f"module must be an import path, got {record.module!r}")
+    if not isinstance(record.module, str) or not _is_module_path(record.module):
+        problems.append(
+            f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"
+        )
     if problems:
         raise BackendError(
             f"plugin {plugin_name!r}: malformed record {getattr(record, 'name', '?')!r}: "
             + "; ".join(problems)
         )
+
+
+def _served_dtypes_only(
+    record: BackendRecord, plugin_name: str, hook: Callable[..., Any]
+) -> BackendRecord:
+    """``record`` without the dtypes normlab does not serve (a warning names them)."""
+    from normlab.spec import FLOAT_DTYPES
+
+    unserved = record.dtypes - frozenset(FLOAT_DTYPES)
+    if not unserved:
+        return record
+    _warn_at(
+        f"normlab plugin {plugin_name!r}: backend {record.name!r} lists dtypes "
+        f"{sorted(unserved)}, which normlab does not serve (it serves "
+        f"{', '.join(FLOAT_DTYPES)}); ignoring them",
+        hook,
+    )
+    return dataclasses.replace(record, dtypes=record.dtypes - unserved)
+
+
+def _warn_at(message: str, where: Callable[..., Any]) -> None:
+    """A NormlabWarning attributed to the plugin's function ``where`` (its file and line), so
+    that it points at the plugin, not at normlab."""
+    code = getattr(inspect.unwrap(where), "__code__", None)
+    filename = code.co_filename if code is not None else "<normlab plugin>"
+    lineno = code.co_firstlineno if code is not None else 1
+    module = getattr(where, "__module__", None) or "normlab.plugin"
+    warnings.warn_explicit(message, NormlabWarning, filename, lineno, module=module)
+
+
+def _warn_at_plugin(message: str, plugin: str) -> None:
+    """A NormlabWarning attributed to the file of the plugin named ``plugin`` (a module name or
+    an entry point's ``pkg.mod:attr``), where that file can be found without importing."""
+    module = plugin.partition(":")[0]
+    filename = "<normlab plugin>"
+    parent = module.rpartition(".")[0]
+    if not parent or parent in sys.modules:  # else find_spec would import the parent
+        try:
+            spec = importlib.util.find_spec(module)
+        except Exception:  # a half-imported module; the warning then names no file
+            spec = None
+        if spec is not None and spec.origin:
+            filename = spec.origin
+    warnings.warn_explicit(message, NormlabWarning, filename, 1, module=module or plugin)
+
+
+@functools.cache
+def _packages_distributions() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()  # type: ignore[return-value]
+
+
+def _distribution_of(module_name: str) -> str:
+    """``", <distribution> <version>"`` of the installed distribution holding the top-level
+    package of ``module_name``, or ``""`` (a module outside any distribution)."""
+    top = module_name.partition(".")[0].partition(":")[0]
+    names = list(dict.fromkeys(_packages_distributions().get(top, [])))
+    if len(names) != 1:
+        return ""
+    try:
+        return f", {names[0]} {importlib.metadata.version(names[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _is_module_path(path: str) -> bool:
+    module, colon, attr = path.partition(":")
+    dotted = [module, *([attr] if colon else [])]
+    return all(part and all(p.isidentifier() for p in part.split(".")) for part in dotted)
+
+
+def module_problem(path: str) -> str | None:
+    """Why the module of a record's ``module`` path (``"pkg.mod"`` or ``"pkg.mod:attr"``) cannot
+    be found, or ``None``; imports nothing (``importlib.util.find_spec`` on each package already
+    imported, stopping at the first that is not)."""
+    parts = path.partition(":")[0].split(".")
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name in sys.modules:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None  # it exists but cannot be looked into without importing it
+        if spec is None:
+            return f"its module {path!r} cannot be found: no module named {name!r}"
+        return None  # deeper names need this package imported
+    return None
 
 
 def _env_list(name: str) -> list[str]:
@@ -403,8 +542,10 @@ def register_plugin(plugin: Any, name: str | None = None) -> list[Backend]:
 
     Raises BackendError if it is malformed or a backend name is taken (nothing is registered).
     """
+    source = f"register_plugin({name or _name_of(plugin)})"
+    module = getattr(plugin, "__module__", None) if not isinstance(plugin, ModuleType) else None
     return registry().register(
-        plugin, source=f"register_plugin({name or _name_of(plugin)})", name=name
+        plugin, source=source + _distribution_of(module or _name_of(plugin)), name=name
     )
 
 

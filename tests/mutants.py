@@ -28,7 +28,8 @@ from normlab.spec import Plan
 
 #: flaw -> what the kernel then does wrong. ``control`` is the correct pair of kernels.
 FLAWS: Final = {
-    "control": "nothing: mean and population variance per row, shifted two-pass; mean square",
+    "control": "nothing: mean and population variance per row, shifted two-pass; mean square; "
+    "forward sums in float64 whatever x's dtype",
     "std_plus_eps": "divides by sqrt(var) + eps instead of sqrt(var + eps)",
     "ddof1": "uses the sample variance (divides by cols - 1)",
     "naive_moments": "computes var = E[x^2] - E[x]^2, in float32 whatever x's dtype",
@@ -36,6 +37,18 @@ FLAWS: Final = {
     "ignored_strides": "reads x's memory as if it were C-contiguous (while claiming 'strided')",
     "half_accumulation": "sums (and adds eps) in x's dtype, float16 included",
     "bias_without_weight": "ignores bias when weight is None",
+    "reads_x_after_writing": "recomputes the mean it returns from x after writing y into out, "
+    "which is x's memory in place",
+    "writes_into_x": "normalizes a C-contiguous x in x's own memory when given no out, then "
+    "copies y out of it",
+    "rows_past_65535": "leaves rows from 65,536 on untouched (y zero, statistics zero)",
+    "drops_tail_block": "works in blocks of 32,768 rows and drops the last partial block",
+    "stats_wrap_65536": "writes the statistics of rows from 65,536 on over rows 0, 1, …: "
+    "y right, statistics wrong",
+    "overflow_squares": "sums x and its squares in the compute dtype (float32 for float32): "
+    "they overflow near the dtype's max",
+    "flush_subnormals": "flushes inputs below float32's smallest normal to zero (float64: "
+    "below its own), as a CPU's flush-to-zero mode does",
     "rms_mean_subtracted": "RMSNorm that subtracts the mean (LayerNorm without bias)",
     "rms_variance": "RMSNorm that divides x by sqrt(var + eps), the variance, not the mean square",
     "rms_eps_outside_root": "RMSNorm that divides by sqrt(mean(x^2)) + eps",
@@ -53,6 +66,21 @@ FLAWS: Final = {
 
 #: The flaws proper (every one but the control).
 MUTANTS: Final = tuple(flaw for flaw in FLAWS if flaw != "control")
+
+#: flaw -> the ``-k`` expression of the suite tests that must catch it, for flaws that need
+#: not run the whole suite (the suite's CI time stays flat).
+ONLY: Final = {
+    "reads_x_after_writing": "in_place",
+    "writes_into_x": "x_never_modified",
+    "rows_past_65535": "boundary_shapes",
+    "drops_tail_block": "boundary_shapes",
+    "stats_wrap_65536": "boundary_shapes",
+    "overflow_squares": "magnitudes",
+    "flush_subnormals": "magnitudes",
+}
+
+#: Rows per block of the drops_tail_block flaw.
+_BLOCK_ROWS: Final = 1 << 15
 
 #: The flaws of the RMSNorm kernel; the control has both ops too.
 RMS_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("rms_"))
@@ -75,14 +103,14 @@ def layer_norm(
     flaw: str = "control",
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """LayerNorm of the rows of the 2-D ``x`` (normlab's backend contract), with ``flaw``."""
-    compute = np.dtype(plan.compute_dtype)
+    compute = _compute_dtype(plan, flaw)
     if flaw == "naive_moments":
         compute = np.dtype(np.float32)
     elif flaw == "half_accumulation":
         compute = x.dtype
     if flaw == "ignored_strides":
         x = _as_if_c_contiguous(x)
-    xc = x.astype(compute)  # a copy: out may be x's own memory
+    xc = _read(x, compute, flaw)  # a copy: out may be x's own memory
     eps = compute.type(plan.eps)
     if flaw == "batch_stats":
         mean = np.full((plan.rows, 1), xc.mean(), compute)
@@ -91,8 +119,7 @@ def layer_norm(
         mean = xc.mean(axis=1, keepdims=True)
         var = (xc * xc).mean(axis=1, keepdims=True) - mean * mean
     else:
-        x0 = xc[:, :1]
-        mean = x0 + (xc - x0).sum(axis=1, keepdims=True, dtype=compute) / compute.type(plan.cols)
+        mean = _shifted_mean(xc, compute)
         squares = ((xc - mean) ** 2).sum(axis=1, keepdims=True, dtype=compute)
         var = squares / compute.type(plan.cols - 1 if flaw == "ddof1" else plan.cols)
     root = np.sqrt(var) + eps if flaw == "std_plus_eps" else np.sqrt(var + eps)
@@ -102,11 +129,63 @@ def layer_norm(
         z = z * weight.astype(compute)
     if bias is not None and not (flaw == "bias_without_weight" and weight is None):
         z = z + bias.astype(compute)
-    y = out if out is not None else np.empty(x.shape, x.dtype)
-    y[...] = z
+    y = _write(z, x, out, flaw)
+    if flaw == "reads_x_after_writing":
+        mean = _shifted_mean(x.astype(compute), compute)
     if not plan.return_stats:
         return y, None, None
-    return y, mean[:, 0].astype(plan.stats_dtype), rstd[:, 0].astype(plan.stats_dtype)
+    return y, *_stats_of(mean, rstd, plan, flaw)
+
+
+def _compute_dtype(plan: Plan, flaw: str) -> np.dtype[Any]:
+    """float64, so that float32 sums and squares neither overflow nor underflow (the overflow
+    flaw: the plan's compute dtype)."""
+    return np.dtype(plan.compute_dtype if flaw == "overflow_squares" else np.float64)
+
+
+def _read(x: np.ndarray, compute: np.dtype[Any], flaw: str) -> np.ndarray:
+    """x's rows as a new array of ``compute`` (subnormals flushed to zero by that flaw)."""
+    xc = x.astype(compute)
+    if flaw == "flush_subnormals":
+        xc[np.abs(xc) < np.finfo(np.float64 if x.dtype == np.float64 else np.float32).tiny] = 0
+    return xc
+
+
+def _shifted_mean(xc: np.ndarray, compute: np.dtype[Any]) -> np.ndarray:
+    x0 = xc[:, :1]
+    total = (xc - x0).sum(axis=1, keepdims=True, dtype=compute)
+    return x0 + total / compute.type(xc.shape[1])  # type: ignore[no-any-return]
+
+
+def _write(z: np.ndarray, x: np.ndarray, out: np.ndarray | None, flaw: str) -> np.ndarray:
+    """y: ``z`` rounded to x's dtype, in ``out`` when given (rows dropped by some flaws)."""
+    if flaw == "writes_into_x" and out is None and x.flags.writeable and x.flags.c_contiguous:
+        x[...] = z
+        return x.copy()
+    y = out if out is not None else np.empty(x.shape, x.dtype)
+    written = z.shape[0]
+    if flaw == "rows_past_65535":
+        written = min(written, 65_536)
+    elif flaw == "drops_tail_block" and written > _BLOCK_ROWS:
+        written -= written % _BLOCK_ROWS
+    y[:written] = z[:written]
+    y[written:] = 0
+    return y
+
+
+def _stats_of(
+    mean: np.ndarray, rstd: np.ndarray, plan: Plan, flaw: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """mean and rstd as 1-D arrays of the statistics dtype (wrapped or dropped by some flaws)."""
+    stats = [a[:, 0].astype(plan.stats_dtype) for a in (mean, rstd)]
+    for a in stats:
+        if flaw == "stats_wrap_65536" and a.shape[0] > 65_536:
+            a[65_536:] = a[: a.shape[0] - 65_536].copy()
+        elif flaw == "rows_past_65535":
+            a[65_536:] = 0
+        elif flaw == "drops_tail_block" and a.shape[0] > _BLOCK_ROWS:
+            a[a.shape[0] - a.shape[0] % _BLOCK_ROWS :] = 0
+    return stats[0], stats[1]
 
 
 def rms_norm(
@@ -120,7 +199,7 @@ def rms_norm(
 ) -> tuple[np.ndarray, None, np.ndarray | None]:
     """RMSNorm of the rows of the 2-D ``x``, ``x / sqrt(mean(x^2) + eps) * weight``, with
     ``flaw``."""
-    compute = np.dtype(plan.compute_dtype)
+    compute = _compute_dtype(plan, flaw)
     xc = x.astype(compute)  # a copy: out may be x's own memory
     eps = compute.type(plan.eps)
     n = compute.type(plan.cols)

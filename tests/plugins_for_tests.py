@@ -157,3 +157,9 @@ RAISING_PLUGIN = raising_plugin("raising_entry_point_plugin")
 def normlab_backends() -> list[normlab.BackendRecord]:
     """This module as a plugin (``NORMLAB_PLUGINS=plugins_for_tests``)."""
     return [record("env_plugin")]
+
+
+#: This module's functions as an attribute, for records whose module is ``"pkg.mod:attr"``.
+AS_ATTRIBUTE = types.SimpleNamespace(
+    layer_norm=layer_norm, to_numpy=to_numpy, from_numpy=from_numpy
+)

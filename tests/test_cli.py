@@ -63,7 +63,7 @@ def sick_backends() -> Iterator[None]:
     """Two extra backends: one unavailable with a reason, one whose check raises."""
     absent = normlab.BackendRecord(
         name="cli_absent",
-        module="no_such_module",
+        module="json",  # found, so the record's own check decides
         families=frozenset({"numpy"}),
         devices=frozenset({"cpu"}),
         dtypes=frozenset({"float32"}),
@@ -189,15 +189,137 @@ def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch)
     calls = []
 
     def fake_check(
-        backend_name: str, *, profile: str = "ci", extra_pytest_args: tuple[str, ...] = ()
+        backend_name: str,
+        *,
+        profile: str = "ci",
+        allow_unavailable: bool = False,
+        json_path: str | None = None,
+        extra_pytest_args: tuple[str, ...] = (),
     ) -> int:
-        calls.append((backend_name, profile, extra_pytest_args))
+        calls.append((backend_name, profile, allow_unavailable, json_path, extra_pytest_args))
         return 7
 
     monkeypatch.setattr(normlab.testing, "check", fake_check)
+    short = ("-q", "--tb=no", "-rN", "--disable-warnings")
     assert cli.main(["check", "numpy", "--profile", "full", "--", "-x", "-k", "offset"]) == 7
-    assert cli.main(["check", "numpy"]) == 7
-    assert calls == [("numpy", "full", ("-x", "-k", "offset")), ("numpy", "ci", ())]
+    assert cli.main(["check", "numpy", "--allow-unavailable", "--json", "r.json"]) == 7
+    assert cli.main(["check", "numpy", "--verbose"]) == 7
+    assert calls == [
+        ("numpy", "full", False, None, (*short, "-x", "-k", "offset")),
+        ("numpy", "ci", True, "r.json", short),
+        ("numpy", "ci", False, None, ()),
+    ]
+
+
+@pytest.fixture
+def unloadable_backends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Backends the suite must refuse before running a test: a module path with a typo, a
+    module that raises on import, one that lacks its declared functions, one unavailable here."""
+    (tmp_path / "cli_raising_backend.py").write_text("raise ImportError('libfoo.so not found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = normlab.BackendRecord(
+        name="cli_typo",
+        module="normlab.backends.numpy_backendd",
+        families=frozenset({"numpy"}),
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({"float32"}),
+        priority=-5,
+    )
+    plugin = _Plugin(
+        [
+            base,
+            dataclasses.replace(base, name="cli_raises", module="cli_raising_backend"),
+            dataclasses.replace(base, name="cli_empty", module="json"),
+            dataclasses.replace(
+                base,
+                name="cli_no_device",
+                module="normlab.backends.numpy_backend",
+                check=lambda: "no frobnicator here",
+            ),
+        ]
+    )
+    normlab.register_plugin(plugin, name="test_cli_unloadable")
+    yield
+    normlab.unregister_plugin(plugin)
+
+
+_CANNOT_LOAD = {
+    "cli_typo": "cannot be found: no module named 'normlab.backends.numpy_backendd'",
+    "cli_raises": "failed to load its module 'cli_raising_backend': ImportError: libfoo",
+    "cli_empty": "json defines no layer_norm, to_numpy, from_numpy",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "allow"),
+    [
+        *((name, allow) for name in _CANNOT_LOAD for allow in (False, True)),
+        ("cli_no_device", False),
+    ],
+)
+def test_check_refuses_a_backend_that_cannot_load(
+    unloadable_backends: None, capsys: pytest.CaptureFixture[str], name: str, allow: bool
+) -> None:
+    """One line saying why, exit 1, no test run; --allow-unavailable excuses only a backend
+    that is unavailable here, never one that cannot load."""
+    says = _CANNOT_LOAD.get(name, "unavailable here: no frobnicator here (--allow-unavailable")
+    code = cli.main(["check", name, *(["--allow-unavailable"] if allow else [])])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.err.count("\n") == 1 and says in captured.err, captured.err
+    assert "passed" not in captured.out and "skipped" not in captured.out
+
+
+def test_info_shows_a_backend_whose_module_cannot_be_found_as_unavailable(
+    wide: None, unloadable_backends: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["info"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "│ cli_typo " in line)
+    assert "unavailable — its module 'normlab.backends.numpy_backendd' cannot be found" in row
+    assert "normlab.backends.numpy_backendd" not in sys.modules
+
+
+def test_check_allow_unavailable_skips(
+    unloadable_backends: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["check", "cli_no_device", "--allow-unavailable", "--", "-k", "worked"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "skipped" in out and "passed" not in out
+    assert "every test of area 'basics' was skipped" in out
+    assert "unavailable here: no frobnicator here" in out
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_pytest_option_refuses_a_backend_that_cannot_load(
+    unloadable_backends: None, capsys: pytest.CaptureFixture[str], allow: bool
+) -> None:
+    """``pytest --normlab-backend NAME`` stops (usage error) before any test, saying why."""
+    import normlab.testing
+
+    code = normlab.testing.check("cli_typo", allow_unavailable=allow, extra_pytest_args=["-q"])
+    assert code == pytest.ExitCode.USAGE_ERROR
+    assert "no module named 'normlab.backends.numpy_backendd'" in capsys.readouterr().err
+    code = normlab.testing.check("cli_no_device", extra_pytest_args=["-q"])
+    assert code == pytest.ExitCode.USAGE_ERROR
+    assert "unavailable here: no frobnicator here" in capsys.readouterr().err
+
+
+def test_check_names_an_area_whose_tests_all_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    """A backend that does not provide rms_norm: its rms_norm tests skip; an area holding only
+    those is named. Areas with a test that ran are not."""
+    code = cli.main(["check", "numpy", "--", "-q", "-k", "rms_norm_worked or test_eps_inside"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "every test of area" not in out
+    from mutants import registered
+
+    with registered("std_plus_eps") as name:  # provides layer_norm only
+        code = cli.main(["check", name, "--", "-q", "-k", "test_rms_norm_worked_example"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "every test of area 'basics' was skipped (" in out
+    assert "does not provide rms_norm" in out
 
 
 def test_check_needs_the_test_extra(
@@ -337,3 +459,74 @@ def test_info_in_a_fresh_process_names_the_layer_requested() -> None:
     result = _python_m_normlab("info", NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2")
     assert result.returncode == 0, result.stderr
     assert "Numba threading layer: workqueue" in result.stdout
+
+
+def test_check_report_is_short_and_in_area_order(capsys: pytest.CaptureFixture[str]) -> None:
+    """A backend computing ``std + eps``: no tracebacks, failures by area with the eps test
+    named first, each failing test on one line followed by the code reproducing it."""
+    from mutants import registered
+
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--", "-k", "eps_inside or worked_example or test_out"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Traceback" not in out and "def test_" not in out
+    failed = [line for line in out.splitlines() if line.startswith("FAILED ")]
+    assert failed[0].startswith("FAILED test_numerics.py::test_eps_inside_the_root[")
+    assert "AssertionError: y (" in failed[0]
+    areas = [line for line in out.splitlines() if line in ("[basics]", "[out/in place]")]
+    assert areas == ["[basics]", "[out/in place]"]
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("FAILED "):
+            assert lines[i + 1].strip() == "Reproduce with:", lines[i : i + 2]
+
+
+def test_check_verbose_brings_tracebacks_back(capsys: pytest.CaptureFixture[str]) -> None:
+    from mutants import registered
+
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--verbose", "--", "-k", "eps_inside_the_root"])
+    assert code == 1
+    assert "def test_eps_inside_the_root" in capsys.readouterr().out
+
+
+def test_check_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``normlab check NAME --json FILE`` and ``check(..., json_path=)``: one result per test."""
+    import json
+
+    from mutants import registered
+
+    import normlab.testing
+
+    path = tmp_path / "results.json"
+    with registered("std_plus_eps") as name:
+        code = cli.main(["check", name, "--json", str(path), "--", "-k", "worked_example"])
+    assert code == 1
+    document = json.loads(path.read_text())
+    assert {k: v for k, v in document.items() if k != "results"} == {
+        "schema": 1,
+        "normlab": normlab.__version__,
+        "backend": name,
+        "provided_by": "register_plugin(mutants.std_plus_eps)",
+        "profile": "ci",
+    }
+    by_outcome: dict[str, list[dict[str, str]]] = {}
+    for result in document["results"]:
+        assert set(result) == {"id", "area", "outcome", "message", "reproduce"}
+        assert result["area"] == "basics"
+        by_outcome.setdefault(result["outcome"], []).append(result)
+    failed = by_outcome["failed"][0]
+    assert failed["id"].startswith("test_numerics.py::test_worked_example[mutant_std_plus_eps-")
+    assert failed["message"].startswith("AssertionError: ")
+    assert failed["reproduce"].startswith("Reproduce with:\n    import normlab")
+    skipped = by_outcome["skipped"][0]  # rms_norm: not provided
+    assert "does not provide rms_norm" in skipped["message"] and skipped["reproduce"] is None
+
+    api_path = tmp_path / "api.json"
+    code = normlab.testing.check(
+        "numpy", json_path=api_path, extra_pytest_args=["-q", "-k", "worked"]
+    )
+    assert code == 0
+    results = json.loads(api_path.read_text())["results"]
+    assert results and {r["outcome"] for r in results} == {"passed"}

@@ -145,3 +145,61 @@ def test_built_site_has_no_literal_sphinx_roles() -> None:
         text = re.sub(r"<(script|pre)\b.*?</\1>", "", page.read_text(), flags=re.DOTALL)
         found += [f"{page.relative_to(site)}: {m.group(0)}" for m in SPHINX_ROLE.finditer(text)]
     assert not found, found[:20]
+
+
+# --------------------------------------------------------------------------------------------
+# docs/plugins.md and docs/testing.md read as plain Markdown, and agree with the code
+
+TITLED_BLOCK = re.compile(r'^```\w+ title="([^"]+)"\n(.*?)^```$', re.MULTILINE | re.DOTALL)
+
+
+def _table_column(page: Path, header: str) -> list[str]:
+    """The first cells (between backticks) of the Markdown table whose header starts with
+    ``| header |``."""
+    lines = page.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    cells = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells.append(line.split("|")[1].strip().strip("`"))
+    return cells
+
+
+@pytest.mark.parametrize("page", ["plugins.md", "testing.md"])
+def test_plugin_pages_are_plain_markdown(page: str) -> None:
+    """No include (--8<--) nor generated API block (:::): the files read completely where
+    the README links them, on GitHub or in an editor."""
+    text = (ROOT / "docs" / page).read_text()
+    assert "--8<--" not in text and "\n::: " not in text
+
+
+def test_inline_example_plugin_is_the_example_plugin() -> None:
+    """Each block titled with a file of plugins/normlab-example is that file, exactly."""
+    blocks = TITLED_BLOCK.findall((ROOT / "docs" / "plugins.md").read_text())
+    titles = [title for title, _ in blocks]
+    assert titles == [
+        "plugins/normlab-example/pyproject.toml",
+        "plugins/normlab-example/src/normlab_example/__init__.py",
+        "plugins/normlab-example/src/normlab_example/backend.py",
+    ]
+    for title, body in blocks:
+        assert body == (ROOT / title).read_text(), f"docs/plugins.md shows an old {title}"
+
+
+def test_plan_table_lists_what_hookspecs_allows() -> None:
+    from normlab.hookspecs import PLAN_FIELDS
+    from normlab.spec import Plan
+
+    listed = _table_column(ROOT / "docs" / "plugins.md", "plan field")
+    assert listed == list(PLAN_FIELDS)
+    assert all(hasattr(Plan, name) or name in Plan.__dataclass_fields__ for name in listed)
+
+
+def test_record_table_lists_every_record_field() -> None:
+    import dataclasses
+
+    from normlab.hookspecs import BackendRecord
+
+    listed = _table_column(ROOT / "docs" / "plugins.md", "field")
+    assert listed == [f.name for f in dataclasses.fields(BackendRecord)]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -226,6 +227,70 @@ def test_a_declared_op_without_a_function(register: Register) -> None:
         normlab.layer_norm(FakeArray(np.ones((2, 3))), backend="fake_no_op")
 
 
+def test_a_module_that_cannot_be_found_is_unavailable_without_importing(
+    register: Register, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """find_spec, not an import: ``list_backends()`` and ``normlab info`` show it unavailable."""
+    imported: list[str] = []
+    real_import = importlib.import_module
+    monkeypatch.setattr(
+        importlib, "import_module", lambda n, *a: imported.append(n) or real_import(n, *a)
+    )
+    register(record("fake_typo", module="plugins_for_testz.kernels"))
+    backend = next(b for b in normlab.list_backends() if b.name == "fake_typo")
+    assert not backend.available
+    assert backend.reason == (
+        "its module 'plugins_for_testz.kernels' cannot be found: no module named "
+        "'plugins_for_testz' (record from register_plugin(fake_plugin_fake_typo))"
+    )
+    assert imported == []
+
+
+def test_a_failed_import_makes_the_backend_unavailable_and_calls_fall_back(
+    register: Register, no_preference: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The module is found but raises on import: the first default call warns once and falls
+    back to the next backend; from then on the backend is unavailable with the error as its
+    reason, cached choices are dropped, and no further warning is given."""
+    (tmp_path / "fake_raising_kernels.py").write_text("raise OSError('libfake.so: no such file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register(
+        record("fake_first", module="fake_raising_kernels", priority=5),
+        record("fake_second", priority=1),
+    )
+    first = registry.get("fake_first")
+    assert first.available  # found; not imported yet
+    generation = registry.registry().generation
+    x = FakeArray(np.ones((2, 3)))
+    with pytest.warns(normlab.NormlabWarning, match="fake_first.*libfake.so.*falling back"):
+        normlab.layer_norm(x)
+    assert len(CALLS) == 1  # fake_second served it
+    assert not first.available
+    assert "OSError: libfake.so: no such file" in (first.reason or "")
+    assert registry.registry().generation > generation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normlab.layer_norm(x)
+    assert len(CALLS) == 2
+    with pytest.raises(normlab.BackendError, match=r"unavailable: .*libfake\.so"):
+        normlab.layer_norm(x, backend="fake_first")
+
+
+def test_a_module_path_may_name_an_attribute(register: Register) -> None:
+    register(record("fake_attr", module="plugins_for_tests:AS_ATTRIBUTE"))
+    backend = registry.get("fake_attr")
+    assert backend.available
+    assert backend.function("layer_norm") is plugins_for_tests.layer_norm
+    y = normlab.layer_norm(FakeArray(np.arange(6.0).reshape(2, 3)), backend="fake_attr")
+    assert len(CALLS) == 1 and isinstance(y, FakeArray)
+
+
+@pytest.mark.parametrize("path", ["plugins_for_tests:", "a..b", "a:b:c", "a-b.c", ":attr"])
+def test_a_malformed_module_path_is_refused(register: Register, path: str) -> None:
+    with pytest.raises(normlab.BackendError, match="module must be an import path"):
+        register(record("fake_bad_path", module=path))
+
+
 @pytest.mark.parametrize("shape", [(2, 3), (5,), ()])
 def test_converters_round_trip(lib: registry.Backend, shape: tuple[int, ...]) -> None:
     a = np.arange(float(np.prod(shape))).reshape(shape)
@@ -260,6 +325,66 @@ def test_normlab_plugins_loads_modules_and_records_failures(
     (failure,) = fresh.failures
     assert failure.plugin == "no_such_plugin_module"
     assert "import failed: ModuleNotFoundError" in failure.error
+
+
+def test_a_plugin_that_fails_to_import_is_warned_about_at_its_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The warning points at the plugin's own file, not at normlab/registry.py."""
+    broken = tmp_path / "fake_broken_plugin.py"
+    broken.write_text("raise RuntimeError('half-installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NORMLAB_PLUGINS", "fake_broken_plugin")
+    monkeypatch.setenv("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "1")
+    with pytest.warns(normlab.NormlabWarning, match="half-installed") as warned:
+        Registry().load_defaults()
+    assert [w.filename for w in warned] == [str(broken)]
+
+
+def test_normlab_plugins_shows_the_distribution_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin loaded through NORMLAB_PLUGINS names its distribution and version, as an
+    entry-point one does (normlab info shows provided_by)."""
+    version = importlib.metadata.version("normlab-example")
+    monkeypatch.setenv("NORMLAB_PLUGINS", "normlab_example")
+    monkeypatch.setenv("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "1")
+    fresh = Registry()
+    fresh.load_defaults()
+    assert fresh.backends["example"].provided_by == (
+        f"NORMLAB_PLUGINS (normlab_example), normlab-example {version}"
+    )
+
+
+def test_register_plugin_shows_the_distribution_version() -> None:
+    import normlab_example
+
+    version = importlib.metadata.version("normlab-example")
+    fresh = Registry()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry, "_registry", fresh)
+        (backend,) = normlab.register_plugin(normlab_example)
+    assert backend.provided_by == (f"register_plugin(normlab_example), normlab-example {version}")
+
+
+def test_a_hook_without_hookimpl_gets_a_hint() -> None:
+    module = ModuleType("fake_undecorated_plugin")
+    module.normlab_backends = lambda: [record("fake_undecorated")]  # type: ignore[attr-defined]
+    with pytest.raises(normlab.BackendError, match=r"without the @normlab\.hookimpl decorator"):
+        normlab.register_plugin(module)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "float", "Float32", "f4"])
+def test_a_dtype_that_is_no_dtype_name_is_refused(register: Register, dtype: str) -> None:
+    with pytest.raises(normlab.BackendError, match=rf"dtypes \['{dtype}'\] are not dtype names"):
+        register(record("fake_fp32", dtypes=frozenset({"float32", dtype})))
+    assert "fake_fp32" not in _names()
+
+
+def test_a_dtype_normlab_does_not_serve_is_ignored_with_a_warning(register: Register) -> None:
+    """The rest of the record (and the plugin) stays; the warning points at the plugin's hook."""
+    with pytest.warns(normlab.NormlabWarning, match=r"\['int8', 'uint8'\].*ignoring") as warned:
+        register(record("fake_int8", dtypes=frozenset({"float32", "int8", "uint8"})))
+    assert registry.get("fake_int8").dtypes == frozenset({"float32"})
+    assert [w.filename for w in warned] == [plugins_for_tests.__file__]
 
 
 def test_entry_points_load_and_failures_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:

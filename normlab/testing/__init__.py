@@ -36,12 +36,18 @@ def check(
     backend_name: str,
     *,
     profile: str = "ci",
+    allow_unavailable: bool = False,
+    json_path: str | Path | None = None,
     extra_pytest_args: Sequence[str] = (),
     plugins: Sequence[object] = (),
 ) -> int:
     """Run the conformance suite against ``backend_name`` and return pytest's exit code.
 
     ``profile``: ``"ci"`` (fast, the same cases every run) or ``"full"`` (many more).
+    ``allow_unavailable``: a backend unavailable here has its tests skipped with the reason
+    (exit 0) instead of stopping the run; a backend that cannot load stops it either way
+    (:func:`normlab.testing.preflight.obstacle`, exit 4). ``json_path``: write every test's
+    result there as JSON (:mod:`normlab.testing.report`).
     ``extra_pytest_args`` go to pytest as they are (``-k``, ``-x``, ``--normlab-xfail ID``…);
     ``plugins`` are extra pytest plugin objects (say, one that records reports). 0 means every
     test passed or was skipped with its reason.
@@ -64,6 +70,8 @@ def check(
         "pytest.PytestAssertRewriteWarning",
         "-p",
         "no:cacheprovider",
+        *(["--normlab-allow-unavailable"] if allow_unavailable else []),
+        *([f"--normlab-json={json_path}"] if json_path is not None else []),
         *extra_pytest_args,
     ]
     return int(pytest.main(args, plugins=[pytest_plugin, *plugins]))

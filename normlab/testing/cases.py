@@ -57,6 +57,8 @@ VALUES: Final = (
     "far_offset",  # 1e4 + normal: the same in float32; its squares overflow float16
     "worked",  # every row [1, 3, 5, 7, ...] (the seed's worked example)
     "nan_inf",  # normal, with a NaN in row 1, +inf in row 2, -inf in row 3
+    "subnormal",  # normal scaled to half the dtype's smallest normal: mostly subnormal values
+    "dtype_max",  # both signs, magnitudes a quarter to a half of the dtype's max: sums overflow
 )
 
 #: Memory layouts of x (same values, different strides).
@@ -88,9 +90,22 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
-def _values(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """``(rows, cols)`` float64 values of ``kind`` (see :data:`VALUES`)."""
+def _finfo(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(ml_dtypes.bfloat16)  # type: ignore[no-untyped-call]
+    return np.finfo(np.dtype(dtype))
+
+
+def _values(kind: str, rows: int, cols: int, rng: np.random.Generator, dtype: str) -> np.ndarray:
+    """``(rows, cols)`` float64 values of ``kind`` (see :data:`VALUES`) for x of ``dtype``."""
     shape = (rows, cols)
+    if kind == "subnormal":
+        return float(_finfo(dtype).tiny) / 2 * rng.standard_normal(shape)
+    if kind == "dtype_max":
+        peak = float(_finfo(dtype).max)
+        return rng.choice([-1.0, 1.0], shape) * rng.uniform(peak / 4, peak / 2, shape)
     if kind == "normal":
         return rng.standard_normal(shape)
     if kind == "offset":
@@ -183,7 +198,7 @@ class Case:
         rng = np.random.default_rng(self.seed)
         order = self.batch_axes + self.axes
         permuted = tuple(self.shape[a] for a in order)
-        x64 = _values(self.values, self.rows, self.cols, rng).reshape(permuted)
+        x64 = _values(self.values, self.rows, self.cols, rng, self.dtype).reshape(permuted)
         x64 = x64.transpose(np.argsort(order))
         if self.layout == "broadcast" and self.shape[0] > 0:
             x64 = np.broadcast_to(x64[:1], self.shape)

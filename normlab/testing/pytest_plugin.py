@@ -10,6 +10,16 @@ Options:
     --normlab-profile P     ``ci`` (fast, derandomized; the default) or ``full`` (thorough).
     --normlab-xfail ID      tests whose node id contains ID are expected to fail (repeatable);
                             an ID that matches no collected test is reported with a warning.
+    --normlab-json FILE     write every test's result to FILE as JSON (:mod:`.report`).
+    --normlab-allow-unavailable
+                            a backend unavailable here (no device, library not installed) has
+                            its tests skipped with the reason; without it the run stops.
+
+Before any test runs, each backend named must load: its module found and imported, every
+function its record declares defined (:mod:`.preflight`); otherwise the run stops with one line
+saying why (pytest's usage error, exit status 4). After the run, :class:`.report.Report` lists
+the failures area by area, each with its first message and the code reproducing it, names each
+area whose every test was skipped, and writes the JSON of ``--normlab-json FILE``.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ __all__ = [
     "normlab_subject",
     "pytest_addoption",
     "pytest_collection_modifyitems",
+    "pytest_configure",
     "pytest_generate_tests",
 ]
 
@@ -54,6 +65,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="ID",
         help="expect tests whose node id contains ID to fail (warns if ID matches no test)",
     )
+    group.addoption(
+        "--normlab-allow-unavailable",
+        action="store_true",
+        help="skip the tests of a backend unavailable here (no device…) instead of failing",
+    )
+    group.addoption(
+        "--normlab-json",
+        default=None,
+        metavar="FILE",
+        help="write every test's result to FILE as JSON (one backend; see docs/testing.md)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    names = backend_names(config)
+    if not names:
+        return
+    from normlab.testing.preflight import obstacle
+
+    allow = bool(config.getoption("normlab_allow_unavailable"))
+    problems = [p for p in (obstacle(name, allow_unavailable=allow) for name in names) if p]
+    if problems:
+        raise pytest.UsageError("normlab check: " + "; ".join(problems))
+    json_path = config.getoption("normlab_json")
+    if json_path is not None and len(names) != 1:
+        raise pytest.UsageError("normlab check: --normlab-json takes a run of one backend")
+    from normlab.testing.report import Report
+
+    profile = config.getoption("normlab_profile")
+    for name in names:
+        config.pluginmanager.register(Report(name, profile, json_path), f"normlab-report-{name}")
 
 
 def backend_names(config: pytest.Config) -> list[str]:

@@ -158,6 +158,21 @@ def test_backward_large_offset(normlab_subject: Subject, op: str, dtype: str) ->
         BackwardCase(forward).check(normlab_subject.name)
 
 
+#: Row counts around the built-ins' backward row chunk of 32, and beyond 65,535 rows.
+BOUNDARY_ROWS = (31, 33, 32 * 5 + 1, 65_537)
+
+
+@pytest.mark.parametrize("rows", BOUNDARY_ROWS)
+@pytest.mark.parametrize("op", OPS)
+def test_backward_boundary_rows(normlab_subject: Subject, op: str, rows: int) -> None:
+    """dx, dweight and dbias at row counts where chunked row sums have a partial last chunk."""
+    _require(normlab_subject, op)
+    dtype = normlab_subject.dtype
+    cols = 4 if rows > 65_535 else 40
+    forward = Case((rows, cols), dtype, "rowwise", seed=25, weight=dtype, op=op)
+    BackwardCase(forward).check(normlab_subject.name)
+
+
 @pytest.mark.parametrize("eps", [1e-4, 1e-2])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("op", OPS)

@@ -105,11 +105,51 @@ def test_x_never_modified(normlab_subject: Subject, op: str, layout: str) -> Non
     x, kwargs = case.inputs(normlab_subject.name)
     arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
     before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
-    case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
     for what, a in arrays.items():
         assert normlab_subject.to_numpy(a).tobytes() == before[what], (
             f"{what} was modified\n{case.snippet(normlab_subject.name)}"
         )
+    y, mean, rstd = (
+        None if a is None else normlab_subject.to_numpy(a) for a in case.unpack(result)
+    )
+    assert y is not None
+    case.compare(y, mean, rstd, backend=normlab_subject.name)
+
+
+@pytest.mark.parametrize("return_stats", [False, True])
+@pytest.mark.parametrize("op", OPS)
+def test_x_never_modified_on_the_direct_path(
+    normlab_subject: Subject, op: str, return_stats: bool
+) -> None:
+    """A 2-D C-contiguous x normalized over its last axis reaches the backend itself, without a
+    copy (on the second call, the cached direct path): x, weight and bias keep their bits."""
+    normlab_subject.require_op(op)
+    dtype = normlab_subject.dtype
+    case = Case(
+        (8, 40),
+        dtype,
+        "rowwise",
+        seed=14,
+        weight=dtype,
+        bias=_bias(op, dtype),
+        return_stats=return_stats,
+        op=op,
+    )
+    x, kwargs = case.inputs(normlab_subject.name)
+    arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
+    before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
+    for call in ("first", "second"):
+        result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=return_stats)
+        for what, a in arrays.items():
+            assert normlab_subject.to_numpy(a).tobytes() == before[what], (
+                f"{what} was modified by the {call} call\n{case.snippet(normlab_subject.name)}"
+            )
+        y, mean, rstd = (
+            None if a is None else normlab_subject.to_numpy(a) for a in case.unpack(result)
+        )
+        assert y is not None
+        case.compare(y, mean, rstd, backend=normlab_subject.name)
 
 
 @pytest.mark.parametrize(
@@ -227,3 +267,43 @@ def test_in_place(normlab_subject: Subject, op: str, layout: str) -> None:
     y = case.call(x, **kwargs, backend=normlab_subject.name, out=x)
     assert y is x, f"{op}(x, out=x) must return x itself"
     _check_y(x, case, normlab_subject)
+
+
+@pytest.mark.parametrize("stats", [False, True])
+@pytest.mark.parametrize("layout", ["c", "padded"])
+@pytest.mark.parametrize("op", OPS)
+def test_in_place_row_views(normlab_subject: Subject, op: str, layout: str, stats: bool) -> None:
+    """``out=x`` (with return_stats: ``out=(x, None, None)``, rms_norm ``(x, None)``) on a 2-D
+    row view (C-contiguous; row-strided): a backend claiming ``inplace`` gets ``out`` sharing
+    x's memory, so it must read each row before writing it. y and the statistics compared."""
+    normlab_subject.require_op(op)
+    _require_out(normlab_subject)
+    normlab_subject.require_capability(
+        "inplace", "out=x is then computed into a temporary and copied back by the core"
+    )
+    normlab_subject.require_layout(layout)
+    dtype = normlab_subject.dtype
+    case = Case(
+        (9, 40),
+        dtype,
+        "rowwise",
+        seed=15,
+        weight=dtype,
+        bias=_bias(op, dtype),
+        layout=layout,
+        return_stats=stats,
+        op=op,
+    )
+    x, kwargs = case.inputs(normlab_subject.name)
+    out: Any = x
+    if stats:
+        out = (x, *(None for _ in stats_names(op)))
+    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=stats, out=out)
+    y, mean, rstd = case.unpack(result)
+    assert y is x, f"{op}(x, out=x) must return x itself\n{case.snippet(normlab_subject.name)}"
+    case.compare(
+        normlab_subject.to_numpy(x),
+        None if mean is None else normlab_subject.to_numpy(mean),
+        None if rstd is None else normlab_subject.to_numpy(rstd),
+        backend=normlab_subject.name,
+    )

@@ -9,8 +9,10 @@ claims no capabilities, so normlab copies any other layout and writes ``out`` it
     rstd = 1 / sqrt(var + eps)
     y    = (x - mean) * rstd * weight + bias
 
-Everything is computed in ``plan.compute_dtype`` (float32 for float16/bfloat16, else x's dtype)
-and rounded to x's dtype once at the end.
+Everything is computed in float64 and rounded to x's dtype once at the end: float32 and half
+rows then have sums and squares that neither overflow nor underflow, anywhere in their dtype's
+finite range (which binds every backend, see normlab's docs/contract.md). The statistics are
+returned in ``plan.stats_dtype``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def layer_norm(
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Normalize each row of the 2-D ``x``; returns ``(y, mean, rstd)``."""
-    compute = np.dtype(plan.compute_dtype)
+    compute = np.dtype(np.float64)
     centred = x.astype(compute)  # a fresh copy: x is never modified
     x0 = centred[:, :1].copy()
     centred -= x0
@@ -48,7 +50,8 @@ def layer_norm(
         y += bias.astype(compute)
     if not plan.return_stats:
         return y.astype(x.dtype), None, None
-    return y.astype(x.dtype), (x0 + shift)[:, 0], rstd[:, 0]
+    stats = np.dtype(plan.stats_dtype)
+    return y.astype(x.dtype), (x0 + shift)[:, 0].astype(stats), rstd[:, 0].astype(stats)
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:
