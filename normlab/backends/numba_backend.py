@@ -42,8 +42,10 @@ from normlab.backends.numba_kernels import (
     SEGMENT,
     layer_norm_rows,
     layer_norm_rows_parallel,
-    long_rows,
     long_rows_parallel,
+    merge_segments,
+    segment_moments,
+    write_segments,
 )
 from normlab.errors import BackendError
 from normlab.spec import Plan
@@ -55,6 +57,7 @@ __all__ = [
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
+    "load_serial_first",
     "rms_norm",
     "rms_norm_backward",
     "threading_layer",
@@ -120,6 +123,81 @@ notices.watch_numba_compiles()  # a slow first call says that it is compiling
 POOL: Final = Pool()
 os.register_at_fork(after_in_child=POOL.after_fork_in_child)
 
+#: Parallel drivers, with their arguments' types, whose serial kernels are loaded.
+_SERIAL_LOADED: set[tuple[Any, ...]] = set()
+
+
+def _numba_type_key(a: Any) -> Any:
+    """What numba's type of ``a`` depends on: an array's dtype, dimensions, layout, mutability
+    and alignment; the type of anything else."""
+    if isinstance(a, np.ndarray):
+        f = a.flags
+        return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
+    return type(a)
+
+
+def load_serial_first(
+    driver: Any, args: tuple[Any, ...], *serial: tuple[Any, tuple[Any, ...]]
+) -> None:
+    """Before the parallel ``driver`` runs on ``args``' types for the first time in this process,
+    load the serial kernels it calls: ``serial`` holds ``(kernel, arguments)`` pairs, each a
+    call that does no work (an empty range of rows).
+
+    Numba puts a copy of every kernel a driver calls into the driver's own machine code, and of
+    the copies of one kernel a process runs the one it loaded first. In the process that
+    compiles them that is the serial kernel's own (numba compiles a callee before its caller).
+    A driver loaded from the on-disk cache before its serial kernels would run its copy instead,
+    optimized in the driver's context, whose fast-math sums round differently: rows 1 ulp apart
+    from the serial path's (38 of 64 rows of a (64, 1024) float32 batch), so results would
+    depend on the thread count and on the other rows in every process but the first.
+    """
+    key = (driver, *map(_numba_type_key, args))
+    if key in _SERIAL_LOADED:
+        return
+    for kernel, arguments in serial:
+        kernel(*arguments)
+    _SERIAL_LOADED.add(key)
+
+
+#: The arguments of the forward kernels, without a row range or thread count:
+#: ``(x, y, w, b, eps, mean, rstd, centre)`` (see ``numba_kernels.layer_norm_rows``).
+RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool]
+
+
+def _rows_parallel(args: RowArgs, threads: int) -> None:
+    """``layer_norm_rows_parallel`` on ``args`` (those of ``layer_norm_rows`` without the range)."""
+    load_serial_first(layer_norm_rows_parallel, args, (layer_norm_rows, (*args, 0, 0)))
+    layer_norm_rows_parallel(*args, threads)
+
+
+def _long_rows(args: RowArgs) -> None:
+    """The segmented form of ``long_rows_parallel`` (same ``args``, without the thread count) on
+    the calling thread: its three kernels in turn, so the bits are the parallel driver's."""
+    x, y, w, b, eps, mean, rstd, centre = args
+    rows, cols = x.shape
+    segments = -(-cols // SEGMENT)
+    items = rows * segments
+    moments = np.empty((rows, segments, 2))
+    stats, wide = np.empty((rows, 3)), np.empty(rows, np.bool_)
+    segment_moments(x, w, centre, moments, 0, items)
+    merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
+    write_segments(x, y, w, b, stats, wide, 0, items)
+
+
+def _long_rows_parallel(args: RowArgs, threads: int) -> None:
+    """``long_rows_parallel`` on ``args`` (those of :func:`_long_rows`)."""
+    x, y, w, b, eps, mean, rstd, centre = args
+    moments = np.empty((0, -(-x.shape[1] // SEGMENT), 2))
+    stats, wide = np.empty((0, 3)), np.empty(0, np.bool_)
+    load_serial_first(
+        long_rows_parallel,
+        args,
+        (segment_moments, (x, w, centre, moments, 0, 0)),
+        (merge_segments, (x, w, eps, centre, moments, stats, wide, mean, rstd)),
+        (write_segments, (x, y, w, b, stats, wide, 0, 0)),
+    )
+    long_rows_parallel(*args, threads)
+
 
 def threading_layer(start: bool = False) -> str:
     """The threading layer of numba's parallel kernels: ``"omp"``, ``"tbb"`` or ``"workqueue"``.
@@ -135,7 +213,7 @@ def threading_layer(start: bool = False) -> str:
             if threads > 1:
                 w, b = _constant(1, np.float32, 1.0), _constant(1, np.float32, 0.0)
                 empty = _no_stats(np.float32)
-                layer_norm_rows_parallel(tiny, None, w, b, 1e-5, empty, empty, True, 2)
+                _rows_parallel((tiny, None, w, b, 1e-5, empty, empty, True), 2)
         finally:
             POOL.release(threads)
     from numba.np.ufunc import parallel
@@ -200,11 +278,11 @@ def _normalize(
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
         if long and threads > 1:
-            long_rows_parallel(*args, threads)
+            _long_rows_parallel(args, threads)
         elif long:
-            long_rows(*args)
+            _long_rows(args)
         elif threads > 1:
-            layer_norm_rows_parallel(*args, threads)
+            _rows_parallel(args, threads)
         else:
             layer_norm_rows(*args, 0, plan.rows)
     finally:

@@ -353,6 +353,8 @@ def _backward(
     held = nb.POOL.acquire(rows * cols)
     try:
         if min(held, chunks) > 1:
+            serial = (backward_chunks, (*args, dw_parts, db_parts, ROW_CHUNK, 0, 0))
+            nb.load_serial_first(backward_chunks_parallel, (*args, dw_parts, db_parts), serial)
             backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, min(held, chunks))
         else:
             backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)

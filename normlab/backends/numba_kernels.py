@@ -67,7 +67,6 @@ __all__ = [
     "SEGMENT",
     "layer_norm_rows",
     "layer_norm_rows_parallel",
-    "long_rows",
     "long_rows_parallel",
     "merge_segments",
     "segment_moments",
@@ -78,8 +77,8 @@ __all__ = [
 FASTMATH: Final = {"reassoc", "contract", "nsz"}
 #: Elements per block of a row sum (summed in the compute dtype, then added in float64).
 BLOCK: Final = 256
-#: Rows of more compute-dtype bytes than this take the segmented one-pass form (long_rows):
-#: 2^18 float32 or 2^17 float64 elements. Up to it, a row's three sweeps run in a core's L2
+#: Rows of more compute-dtype bytes than this take the segmented one-pass form
+#: (long_rows_parallel): 2^18 float32 or 2^17 float64 elements. Up to it, a row's three sweeps run in a core's L2
 #: (1-2 MiB on current x86 server cores; the row must share it with y), and the three-sweep
 #: form is the faster; beyond, its second and third sweeps come from L3 or memory. Measured
 #: on a 2 MiB-L2 core (one thread, float32, docs/numba.md): even at 2^18 elements, 7-13% in
@@ -487,7 +486,7 @@ def merge_segments(
     # rstd) and wide[row]; mean and rstd (1-D, or empty) receive the statistics.
     # No fast-math: the order is the one written, whatever the thread count.
     cols = x.shape[1]
-    for i in range(x.shape[0]):
+    for i in range(moments.shape[0]):  # x's rows (none: a call that only loads the kernel)
         count = min(cols, SEGMENT)
         m = moments[i, 0, 0]
         m2 = moments[i, 0, 1]
@@ -536,29 +535,16 @@ def write_segments(
             _write(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
 
 
-@njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def long_rows(
-    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool
-) -> None:
-    # LayerNorm or RMSNorm of every row of x, on this thread, in the segmented one-pass form
-    # (arguments as in layer_norm_rows, but w and b may be SEGMENT long: see write_segments).
-    # Bitwise equal to long_rows_parallel.
-    rows, cols = x.shape
-    segments = -(-cols // SEGMENT)
-    moments = np.empty((rows, segments, 2))
-    stats = np.empty((rows, 3))
-    wide = np.empty(rows, np.bool_)
-    segment_moments(x, w, centre, moments, 0, rows * segments)
-    merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
-    write_segments(x, y, w, b, stats, wide, 0, rows * segments)
-
-
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def long_rows_parallel(
     x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
 ) -> None:
-    # long_rows with the segments of all rows split into `chunks` equal ranges of items, for
-    # the moments and again for y, in parallel; the merge runs on the calling thread.
+    # LayerNorm or RMSNorm of every row of x in the segmented one-pass form (arguments as in
+    # layer_norm_rows, but w and b may be SEGMENT long: see write_segments): the segments of all
+    # rows split into `chunks` equal ranges of items, for the moments and again for y, in
+    # parallel; the merge runs on the calling thread. On one thread the numba backend calls the
+    # same three kernels in turn (a fused serial kernel would carry its own copies of them,
+    # optimized apart and rounded differently).
     rows, cols = x.shape
     segments = -(-cols // SEGMENT)
     items = rows * segments
