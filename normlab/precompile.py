@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import numpy as np
-
 from normlab import notices
 from normlab.errors import ArgumentError, BackendError
 from normlab.spec import FLOAT_DTYPES
@@ -195,6 +193,8 @@ def _bfloat16() -> Any:
 
 def _run(call: WarmupCall) -> None:
     """One call of the set, on small arrays, through the public API and the numba backend."""
+    import numpy as np  # here, not at import: ``import normlab`` imports no array library
+
     import normlab
     from normlab.backends.numba_backend import SERIAL_ELEMENTS
 

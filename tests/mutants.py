@@ -29,7 +29,7 @@ from normlab.spec import Plan
 #: flaw -> what the kernel then does wrong. ``control`` is the correct pair of kernels.
 FLAWS: Final = {
     "control": "nothing: mean and population variance per row, shifted two-pass; mean square; "
-    "forward sums in float64 whatever x's dtype",
+    "forward sums in float64 (extended precision for float64 x)",
     "std_plus_eps": "divides by sqrt(var) + eps instead of sqrt(var + eps)",
     "ddof1": "uses the sample variance (divides by cols - 1)",
     "naive_moments": "computes var = E[x^2] - E[x]^2, in float32 whatever x's dtype",
@@ -138,9 +138,12 @@ def layer_norm(
 
 
 def _compute_dtype(plan: Plan, flaw: str) -> np.dtype[Any]:
-    """float64, so that float32 sums and squares neither overflow nor underflow (the overflow
-    flaw: the plan's compute dtype)."""
-    return np.dtype(plan.compute_dtype if flaw == "overflow_squares" else np.float64)
+    """A type whose squares of x's values neither overflow nor underflow: float64 for the
+    narrower dtypes, extended precision (``np.longdouble``) for float64 (the overflow flaw: the
+    plan's compute dtype)."""
+    if flaw == "overflow_squares":
+        return np.dtype(plan.compute_dtype)
+    return np.dtype(np.longdouble if plan.dtype == "float64" else np.float64)
 
 
 def _read(x: np.ndarray, compute: np.dtype[Any], flaw: str) -> np.ndarray:

@@ -18,17 +18,9 @@ from normlab.errors import BackendError
 from normlab.testing import pytest_plugin
 
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
-#: catch a failure: once one is fixed, test_backend_conforms asks to remove it.
-#: numpy and numba: rows of subnormal float32/bfloat16 values with eps = 0 — their float32 sums
-#: of squares underflow to 0, so rstd is inf (issue #15, reliability).
-KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {
-    name: tuple(
-        f"test_magnitudes[{name}-{op}-{dtype}-subnormal]"
-        for op in ("layer_norm", "rms_norm")
-        for dtype in ("bfloat16", "float32")
-    )
-    for name in ("numpy", "numba")
-}
+#: catch a failure: once one is fixed, test_backend_conforms asks to remove it. None today
+#: (the subnormal rows numpy and numba failed are fixed by issue #15).
+KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {}
 
 
 class Outcomes:

@@ -78,11 +78,12 @@ FASTMATH: Final = {"reassoc", "contract", "nsz"}
 #: Elements per block of a row sum (summed in the compute dtype, then added in float64).
 BLOCK: Final = 256
 #: Rows of more compute-dtype bytes than this take the segmented one-pass form
-#: (long_rows_parallel): 2^18 float32 or 2^17 float64 elements. Up to it, a row's three sweeps run in a core's L2
-#: (1-2 MiB on current x86 server cores; the row must share it with y), and the three-sweep
-#: form is the faster; beyond, its second and third sweeps come from L3 or memory. Measured
-#: on a 2 MiB-L2 core (one thread, float32, docs/numba.md): even at 2^18 elements, 7-13% in
-#: favour of the segmented form from 2^19 on, 12-30% in favour of the three sweeps below 2^18.
+#: (long_rows_parallel): 2^18 float32 or 2^17 float64 elements. Up to it, a row's three
+#: sweeps run in a core's L2 (1-2 MiB on current x86 server cores; the row must share it with
+#: y), and the three-sweep form is the faster; beyond, its second and third sweeps come from L3
+#: or memory. Measured on a 2 MiB-L2 core (one thread, float32, docs/numba.md): even at 2^18
+#: elements, 7-13% in favour of the segmented form from 2^19 on, 12-30% in favour of the three
+#: sweeps below 2^18.
 LONG_ROW_BYTES: Final = 1 << 20
 #: The smallest normal float32 and float64: a mean square below it has lost precision.
 TINY_FLOAT32: Final = 2.0**-126
