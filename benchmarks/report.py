@@ -8,7 +8,10 @@ Every time is the best round (pytest-benchmark's ``min``): on a shared machine n
 time. Each call is compared with the reference points of its op measured beside it on the same
 input: the copy matched to the call (``x.copy()`` for allocating calls, ``np.copyto`` for
 ``out=``), torch (``F.layer_norm``, ``F.rms_norm``, or autograd's backward of them) and, for
-LayerNorm, the textbook NumPy formula. GB/s counts the bytes the op must move (forwards: ``x``
+LayerNorm, the textbook NumPy formula. The full matrix adds the forwards' other peers: ONNX
+Runtime (``session.run``, and an io_binding into a preallocated output) and ``torch.compile``;
+"× best peer" is the call's speed-up over the fastest peer measured beside it (torch eager,
+either ORT call, torch.compile). GB/s counts the bytes the op must move (forwards: ``x``
 and ``y``; backwards: ``x`` and ``dy`` read, ``dx`` written, plus statistics and parameter
 gradients); "% of copy" is that GB/s over the copy's. Runs saved before the matrix had several
 ops hold LayerNorm forward calls only, and read as such.
@@ -67,7 +70,12 @@ REFERENCE_LABELS: Final = {
     "textbook": "textbook NumPy",
     "copy": "x.copy()",
     "copyto": "np.copyto",
+    "ort": "ORT session.run",
+    "ort_iobinding": "ORT io_binding",
+    "torch_compile": "torch.compile",
 }
+#: The peers: what a user could call instead of normlab ("torch" is torch eager).
+PEERS: Final = ("torch", "ort", "ort_iobinding", "torch_compile")
 TORCH_LABELS: Final = {
     "layer_norm": "torch F.layer_norm",
     "rms_norm": "torch F.rms_norm",
@@ -113,7 +121,9 @@ class Row:
     """One timed call with its ratios to the references beside it (``None``: not measured).
 
     ``kind`` is ``"reference"`` or the op of a backend call; ``op`` the op it belongs to (None
-    for the copy limits, which serve every op).
+    for the copy limits, which serve every op). ``vs_peer``: speed-up over the fastest other
+    peer (:data:`PEERS`) on the same input; ``default``: normlab chooses this backend for this
+    NumPy input when no backend is named.
     """
 
     kind: str
@@ -127,6 +137,8 @@ class Row:
     of_copy: float | None
     vs_torch: float | None
     vs_textbook: float | None
+    vs_peer: float | None = None
+    default: bool = False
 
     @property
     def gbps(self) -> float:
@@ -160,6 +172,8 @@ class Summary:
     vs_torch: float | None
     vs_textbook: float | None
     small_vs_torch: float | None
+    vs_peer: float | None = None
+    small_vs_peer: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +283,8 @@ def rows(run: dict[str, Any]) -> list[Row]:
             None if own == name else _speedup(refs, (op, shape, dtype, name), seconds)
             for name in ("torch", "textbook")
         )
+        others = [refs.get((op, shape, dtype, p)) for p in PEERS if p != own]
+        best_peer = min((ref[0] for ref in others if ref is not None), default=None)
         result.append(
             Row(
                 kind=info["kind"],
@@ -282,6 +298,8 @@ def rows(run: dict[str, Any]) -> list[Row]:
                 of_copy=copy,
                 vs_torch=torch,
                 vs_textbook=textbook,
+                vs_peer=None if best_peer is None else best_peer / seconds,
+                default=bool(info.get("default", False)),
             )
         )
     return result
@@ -304,7 +322,7 @@ def summary(all_rows: Sequence[Row]) -> list[Summary]:
     """Per op, call and dtype: geometric means over large inputs, and × torch over small ones."""
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in all_rows:
-        if row.op is not None and (row.kind != "reference" or row.subject in ("torch", "textbook")):
+        if row.op is not None and (row.kind != "reference" or row.subject in (*PEERS, "textbook")):
             groups[(row.op, row.label, row.dtype)].append(row)
     result = []
     for (op, label, dtype), group in groups.items():
@@ -320,6 +338,8 @@ def summary(all_rows: Sequence[Row]) -> list[Summary]:
                 vs_torch=_geomean(r.vs_torch for r in large),
                 vs_textbook=_geomean(r.vs_textbook for r in large),
                 small_vs_torch=_geomean(r.vs_torch for r in small),
+                vs_peer=_geomean(r.vs_peer for r in large),
+                small_vs_peer=_geomean(r.vs_peer for r in small),
             )
         )
     return result
@@ -426,43 +446,67 @@ def _has_textbook(all_rows: Sequence[Row], op: str) -> bool:
     return any(r.op == op and r.kind == "reference" and r.subject == "textbook" for r in all_rows)
 
 
+def _has_peers(all_rows: Sequence[Row], op: str) -> bool:
+    """Whether ``op`` was measured beside a peer other than torch eager (a full matrix)."""
+    return any(r.op == op and r.kind == "reference" and r.subject in PEERS[1:] for r in all_rows)
+
+
 def summary_table(all_rows: Sequence[Row], op: str) -> Table:
     """Key ratios of ``op``: per call and dtype, geometric means over large and small inputs."""
     textbook = _has_textbook(all_rows, op)
+    peers = _has_peers(all_rows, op)
     body = []
     for s in summary(all_rows):
         if s.op != op:
             continue
         line = [s.label, s.dtype, _gbps(s.gbps), _pct(s.of_copy), _times(s.vs_torch)]
         line += [_times(s.vs_textbook)] if textbook else []
-        body.append((*line, _times(s.small_vs_torch)))
+        line += [_times(s.vs_peer)] if peers else []
+        line += [_times(s.small_vs_torch)]
+        line += [_times(s.small_vs_peer)] if peers else []
+        body.append(tuple(line))
     headers: tuple[str, ...] = ("call", "dtype", "GB/s", "% of copy", "× torch")
     headers += ("× textbook",) if textbook else ()
+    headers += ("× best peer",) if peers else ()
+    headers += ("× torch (small)",) + (("× best peer (small)",) if peers else ())
     speedups = "× torch and × textbook are speed-ups" if textbook else "× torch is a speed-up"
+    peer_note = (
+        " × best peer: over the fastest other peer on the same input (torch eager, ORT "
+        "session.run, ORT io_binding, torch.compile where measured)."
+        if peers
+        else ""
+    )
     return Table(
         f"{OP_TITLES.get(op, op)}: key ratios (geometric means)",
-        (*headers, "× torch (small)"),
+        headers,
         body,
         f"{OP_NOTES.get(op, '')} Large inputs: x ≥ {LARGE_BYTES // 2**20} MiB; small: x < "
-        f"{SMALL_BYTES // 2**20} MiB. {speedups} (above 1: faster than the reference).".strip(),
+        f"{SMALL_BYTES // 2**20} MiB. {speedups} (above 1: faster than the reference)."
+        f"{peer_note}".strip(),
     )
 
 
 def detail_table(all_rows: Sequence[Row], op: str, dtype: str) -> Table:
     """Every backend call of ``op`` on ``dtype`` inputs, shape by shape."""
     textbook = _has_textbook(all_rows, op)
+    peers = _has_peers(all_rows, op)
     body = []
     for r in all_rows:
         if r.op == op and r.dtype == dtype and r.kind != "reference":
-            line = [_shape(r.shape), r.label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
+            label = r.label + (" (default)" if r.default else "")
+            line = [_shape(r.shape), label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
             line += [_times(r.vs_torch)] + ([_times(r.vs_textbook)] if textbook else [])
+            line += [_times(r.vs_peer)] if peers else []
             body.append(tuple(line))
     headers = ("shape", "call", "time", "GB/s", "% of copy", "× torch")
-    return Table(
-        f"{OP_TITLES.get(op, op)}, {dtype}: every backend call",
-        headers + (("× textbook",) if textbook else ()),
-        body,
+    headers += ("× textbook",) if textbook else ()
+    headers += ("× best peer",) if peers else ()
+    note = (
+        "(default): normlab's choice for this NumPy input when no backend is named."
+        if any(r.default for r in all_rows if r.op == op)
+        else ""
     )
+    return Table(f"{OP_TITLES.get(op, op)}, {dtype}: every backend call", headers, body, note)
 
 
 def dispatch_table(run: dict[str, Any]) -> Table:
