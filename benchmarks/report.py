@@ -55,6 +55,8 @@ LARGE_BYTES: Final = 8 * 2**20
 #: ... and below this, latency-bound.
 SMALL_BYTES: Final = 2**20
 DISPATCH_TARGET_US: Final = 1.5
+#: The full matrix's time budget (minutes): the default of benchmarks/conftest.py's SETTINGS.
+FULL_BUDGET_MINUTES: Final = 45.0
 #: Least relative change of the fraction of the copy limit that compare() flags.
 REGRESSION_FLOOR: Final = 0.10
 #: The ops of the matrix, in the order of the report, with their titles.
@@ -769,6 +771,16 @@ def docs_page(
         "machine, noise only adds time. The copy is one NumPy thread, so a parallel kernel can "
         "pass 100%.",
         "",
+        "The full matrix (`nox -s bench`) also measures the forwards' other peers: ONNX Runtime "
+        "on the CPU (`LayerNormalization`, opset 17; for RMSNorm `RMSNormalization`, opset 23, "
+        "or ORT's `SimplifiedLayerNormalization` where that has no kernel for the dtype), both "
+        "allocating (`session.run`) and through an io_binding into a preallocated output; and "
+        "`torch.compile` (inductor, `dynamic=False`, compiled before the timing) on a subset of "
+        "shapes, float32 and float16. `× best peer` is a call's speed-up over the fastest of "
+        "them and torch eager on the same input. Its forwards also sweep small sizes (rows 1, "
+        "2, 4 … 1024 at hidden 768 and 1024, float32 and float16), drawn as time per call "
+        "against rows beside normlab's default choice for NumPy input.",
+        "",
         "## Runs",
         "",
         "| section | from |",
@@ -776,6 +788,15 @@ def docs_page(
         *[f"| {OP_TITLES.get(op, op)} | `{sources[i]}` |" for op, i in chosen.items()],
         "",
     ]
+    measured_peers = any(
+        r.kind == "reference" and r.subject in PEERS[1:] for i in used for r in rows(runs[i][1])
+    )
+    if not measured_peers:
+        parts += [
+            "The runs below predate the peers and the small-size sweep (or ran without "
+            "onnxruntime): their figures come from the next full run on an idle machine.",
+            "",
+        ]
     quick = [sources[i] for i in used if runs[i][1].get("normlab", {}).get("matrix") == "quick"]
     if quick:
         parts += [
@@ -824,12 +845,19 @@ def docs_page(
         "## Reproduce",
         "",
         "```sh",
-        "nox -s bench                 # the full matrix (about 45 minutes), then this page",
+        f"nox -s bench                 # the full matrix ({FULL_BUDGET_MINUTES:.0f} min "
+        "budget), then this page",
         "nox -s bench-quick           # a small subset, in CI",
         "python benchmarks/run.py --full --budget-minutes 60",
         f"python benchmarks/run.py --report {' '.join(sources)} --write-docs   # this page again",
         "python benchmarks/run.py --compare A.json B.json            # two runs side by side",
         "```",
+        "",
+        f"`bench` runs the matrix within a {FULL_BUDGET_MINUTES:.0f}-minute budget "
+        "(`--budget-minutes`, passed on as pytest's `--normlab-budget-minutes`): each case gets "
+        "a share of the time left in proportion to its input size, and the cases still waiting "
+        "when the budget is spent are skipped and listed under Not measured. Installing the "
+        "session (torch, numba, onnxruntime, onnx) and drawing this page come on top.",
         "",
         "`--report` with several runs takes each op's section from the first run that measured "
         "it. `--compare` judges each call per op and dtype on its fraction of the copy limit, "
