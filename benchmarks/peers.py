@@ -7,7 +7,8 @@
   allocating ``session.run`` with NumPy feeds (bfloat16, which NumPy cannot hand to ORT, goes
   through ``run_with_ort_values`` on OrtValues made once); ``ort_iobinding`` writes into a
   preallocated output through an io_binding made once. The model has x's static shape;
-  ``weight`` and ``bias`` are given in x's dtype (the ONNX ops take them so).
+  ``weight`` and ``bias`` are given in x's dtype (the ONNX ops take them so). Sessions keep
+  ORT's defaults otherwise (as a user gets them), on every core.
 - ``torch_compile``: ``torch.compile(dynamic=False)`` (inductor) of the very call the torch
   eager reference times, compiled (and run once) before the timing, on a subset of shapes
   (:data:`COMPILE_DTYPES`; the matrix picks the shapes: every new shape is a new compile).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
@@ -157,6 +159,20 @@ def _ort_value(a: np.ndarray) -> Any:
     return OrtValue.ortvalue_from_numpy(a)
 
 
+@dataclass(frozen=True, slots=True)
+class _BoundCall:
+    """One io_binding run writing ``y``; holds the OrtValues (and arrays) the binding uses."""
+
+    session: Any
+    binding: Any
+    values: dict[str, Any]
+    y: np.ndarray
+
+    def __call__(self) -> np.ndarray:
+        self.session.run_with_iobinding(self.binding)
+        return self.y
+
+
 def _ort_call(op: str, name: str, data: Workload) -> Callable[[], Any]:
     session = _session(op, data.dtype, data.shape)
     params = [data.weight] + ([data.bias] if op == "layer_norm" else [])
@@ -165,17 +181,14 @@ def _ort_call(op: str, name: str, data: Workload) -> Callable[[], Any]:
     if name == "ort_iobinding":
         y = np.empty_like(data.x)
         values = {key: _ort_value(a) for key, a in arrays.items()}
+        values["y"] = _ort_value(y)
         binding = session.io_binding()
         for key, value in values.items():
-            binding.bind_ortvalue_input(key, value)
-        binding.bind_ortvalue_output("y", _ort_value(y))
-
-        def bound() -> np.ndarray:
-            session.run_with_iobinding(binding)
-            return y
-
-        bound.keep = (values, y)  # type: ignore[attr-defined]  # the memory the binding reads
-        return bound
+            if key == "y":
+                binding.bind_ortvalue_output(key, value)
+            else:
+                binding.bind_ortvalue_input(key, value)
+        return _BoundCall(session, binding, values, y)
     if data.dtype == "bfloat16":
         values = {key: _ort_value(a) for key, a in arrays.items()}
         return lambda: session.run_with_ort_values(["y"], values)

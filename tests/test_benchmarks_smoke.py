@@ -373,7 +373,6 @@ def _benchmarks_on_path() -> None:
 
 
 def test_the_quick_matrix_has_no_peers_and_the_full_one_skips_them_with_a_reason() -> None:
-    pytest.importorskip("pytest_benchmark")
     _benchmarks_on_path()
     import bench_matrix
 
