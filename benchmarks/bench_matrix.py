@@ -481,6 +481,8 @@ def test_matrix(
     nbytes = 2 * data.x.nbytes if case.op is None else moved_bytes(case.op, data)
     if case.kind in FORWARDS:
         benchmark.extra_info["default"] = default_backend(case.kind, data) == case.subject
+    if case.reference and case.op is not None and case.subject.startswith("ort"):
+        benchmark.extra_info["onnx_op"] = peers.onnx_op(case.op, case.dtype)
     benchmark.extra_info.update(
         kind=case.kind,
         op=case.op,

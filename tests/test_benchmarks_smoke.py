@@ -485,6 +485,10 @@ def test_a_tiny_full_matrix_run_has_the_peers(tmp_path: Path) -> None:
     subjects = {(r.op, r.subject) for r in rows if r.kind == "reference"}
     for op in ("layer_norm", "rms_norm"):
         assert {(op, "ort"), (op, "ort_iobinding"), (op, "torch_compile")} <= subjects
+    ort = [b["extra_info"] for b in run["benchmarks"] if b["extra_info"]["subject"] == "ort"]
+    onnx_ops = {i["op"]: i["onnx_op"] for i in ort}
+    assert onnx_ops["layer_norm"] == "LayerNormalization"
+    assert onnx_ops["rms_norm"] in ("RMSNormalization", "SimplifiedLayerNormalization")
     numpy = [r for r in rows if r.subject == "numpy" and r.op in ("layer_norm", "rms_norm")]
     assert numpy and all(r.vs_peer is not None for r in numpy)
     assert all(
