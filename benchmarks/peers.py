@@ -10,8 +10,9 @@
   ``weight`` and ``bias`` are given in x's dtype (the ONNX ops take them so). Sessions keep
   ORT's defaults otherwise (as a user gets them), on every core.
 - ``torch_compile``: ``torch.compile(dynamic=False)`` (inductor) of the very call the torch
-  eager reference times, compiled (and run once) before the timing, on a subset of shapes
-  (:data:`COMPILE_DTYPES`; the matrix picks the shapes: every new shape is a new compile).
+  eager reference times, compiled (and run once) before the timing, on the dtypes of
+  :data:`COMPILE_DTYPES` and a subset of shapes (``bench_matrix.COMPILE_SHAPES``): every new
+  shape is a compile of its own.
 
 :func:`unavailable` says at collection time why a peer cannot run here (the library is not
 installed, ORT has no kernel for the dtype); :func:`call` raises :class:`PeerUnavailable` when
