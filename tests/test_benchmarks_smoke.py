@@ -413,7 +413,7 @@ def report_dtype(dtype: str) -> Any:
     return ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_each_peer_computes_the_op_on_a_tiny_input(op: str, dtype: str) -> None:
     """Each peer's call (as the matrix times it) equals normlab's result; nothing is timed."""
@@ -428,11 +428,14 @@ def test_each_peer_computes_the_op_on_a_tiny_input(op: str, dtype: str) -> None:
     import workloads
 
     data = workloads.Workload((5, 64), dtype)
+    eps = workloads.EPS  # what every peer is given (normlab's rms_norm defaults to another)
     if op == "layer_norm":
-        expected = normlab.layer_norm(data.x, weight=data.weight, bias=data.bias, backend="numpy")
+        expected = normlab.layer_norm(
+            data.x, weight=data.weight, bias=data.bias, eps=eps, backend="numpy"
+        )
     else:
-        expected = normlab.rms_norm(data.x, weight=data.weight, backend="numpy")
-    tolerance = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 6e-2}[dtype]
+        expected = normlab.rms_norm(data.x, weight=data.weight, eps=eps, backend="numpy")
+    tolerance = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 6e-2, "float64": 1e-12}[dtype]
     ran = []
     for name in peers.PEERS[op]:
         if peers.unavailable(op, name, dtype) is not None:
@@ -441,7 +444,7 @@ def test_each_peer_computes_the_op_on_a_tiny_input(op: str, dtype: str) -> None:
         got = _peer_result(call(), dtype)
         np.testing.assert_allclose(got, expected.astype(np.float64), atol=tolerance, rtol=0)
         ran.append(name)
-    assert {"ort", "ort_iobinding"} <= set(ran)  # ORT has both ops on all three dtypes
+    assert {"ort", "ort_iobinding"} <= set(ran)  # ORT has both ops on all four dtypes
     if dtype in peers.COMPILE_DTYPES:
         assert "torch_compile" in ran
     assert peers.onnx_op(op, dtype) in (
