@@ -101,11 +101,16 @@ def docs(session: nox.Session) -> None:
     session.run("pytest", "tests/test_docs.py", *session.posargs)
 
 
+#: The full matrix's peers beside torch (benchmarks/peers.py): bench installs them, bench-quick
+#: (CI) does not, so CI's time stays as it is.
+BENCH_PEERS = ("onnxruntime==1.31.1", "onnx==1.23.2")
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The full benchmark matrix."""
+    """The full benchmark matrix with its peers, within its 45-minute budget, then the page."""
     _isolate(session)
-    session.install(".[bench,numba,torch,bfloat16]")
+    session.install(".[bench,numba,torch,bfloat16]", *BENCH_PEERS)
     session.run("python", "benchmarks/run.py", "--full", *session.posargs)
 
 

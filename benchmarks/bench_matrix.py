@@ -9,11 +9,19 @@ timed with ``benchmark.pedantic`` after an untimed warm-up call, so JIT compilat
 excluded; its rounds come from its share of the time budget.
 
 Shapes are ``[rows, hidden]`` with rows 1…65536 and hidden sizes 64…16384 (capped at 2**26
-elements) plus a few ``[batch, seq, hidden]`` shapes, the same for every op in the full matrix;
-the quick one takes four shapes for LayerNorm and two (one latency-bound, one bandwidth-bound)
-for the other ops. The textbook formula runs only where its temporaries (up to six times the
-input, in float32 or wider) fit in a quarter of the memory. Also here: the dispatch overhead
-on a tiny array, and peak memory per backend on a large input (both LayerNorm forward).
+elements) plus a few ``[batch, seq, hidden]`` shapes, the same for every op in the full matrix,
+whose forwards also sweep the small sizes (rows 1, 2, 4 … 1024 at hidden 768 and 1024, float32
+and float16: time per call against rows); the quick one takes four shapes for LayerNorm and two
+(one latency-bound, one bandwidth-bound) for the other ops.
+
+The full matrix also times the forwards' peers (``peers.py``: ONNX Runtime allocating and through
+an io_binding, on every shape; ``torch.compile`` on :data:`COMPILE_SHAPES`), each skipped with
+its reason where it cannot run here. The quick matrix (CI) has none. Each backend call records
+whether normlab's default choice for that NumPy input is this backend (``default``).
+
+The textbook formula runs only where its temporaries (up to six times the input, in float32 or
+wider) fit in a quarter of the memory. Also here: the dispatch overhead on a tiny array, and
+peak memory per backend on a large input (both LayerNorm forward).
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import memory
 import numpy as np
+import peers
 import pytest
 from workloads import (
+    EPS,
     LIMITS,
     OPS,
     REFERENCES,
@@ -43,7 +53,7 @@ from workloads import (
 )
 
 import normlab
-from normlab import registry, spec
+from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
 from normlab.registry import Backend
 
@@ -66,6 +76,15 @@ DTYPES: Final = {
     "full": ("float32", "float16", "bfloat16", "float64"),
 }
 FORWARDS: Final = ("layer_norm", "rms_norm")
+#: The small-size sweep of the full matrix's forwards: rows against time per call.
+SWEEP_ROWS: Final = tuple(2**k for k in range(11))
+SWEEP_HIDDEN: Final = (768, 1024)
+SWEEP_DTYPES: Final = ("float32", "float16")
+#: The shapes torch.compile is timed on (each a compile of its own, a second or more): the
+#: sweep's rows 1, 8, 64, 256, 1024 and two large row counts, at hidden 768 and 1024.
+COMPILE_SHAPES: Final = frozenset(
+    (rows, hidden) for rows in (1, 8, 64, 256, 1024, 16384, 65536) for hidden in SWEEP_HIDDEN
+)
 #: Relative cost of a backward call to a forward one on the same input (three arrays, not two).
 BACKWARD_COST: Final = 1.5
 TEXTBOOK_TEMPORARIES: Final = 6
@@ -176,12 +195,14 @@ def _about(backend: Backend, why: str) -> str:
     return f"backend {backend.name!r} ({backend.provided_by}) {why}"
 
 
-def shapes(matrix: str, op: str) -> list[tuple[int, ...]]:
-    """The shapes of ``op`` in ``matrix``, small to large."""
+def shapes(matrix: str, op: str, dtype: str | None = None) -> list[tuple[int, ...]]:
+    """The shapes of ``op`` in ``matrix`` (on ``dtype``: the sweep's too), small to large."""
     if matrix == "quick":
         return sorted(QUICK_SHAPES[op], key=lambda s: (math.prod(s), s))
-    grid = [(r, h) for r in ROWS for h in HIDDEN if r * h <= CAP_ELEMENTS]
-    return sorted(grid + list(RANK3), key=lambda s: (math.prod(s), s))
+    grid = {(r, h) for r in ROWS for h in HIDDEN if r * h <= CAP_ELEMENTS} | set(RANK3)
+    if op in FORWARDS and dtype in SWEEP_DTYPES:
+        grid |= {(r, h) for r in SWEEP_ROWS for h in SWEEP_HIDDEN}
+    return sorted(grid, key=lambda s: (math.prod(s), s))
 
 
 def _installed(module: str) -> bool:
@@ -233,15 +254,16 @@ def matrix_params(matrix: str) -> list[Any]:
             if why is not None:
                 refused.add(backend.name)
                 params.append(_skip(f"backend {backend.name!r} {why}", f"{backend.name}-{dtype}"))
-        every = sorted(
-            {s for op in OPS for s in shapes(matrix, op)}, key=lambda s: (math.prod(s), s)
-        )
+        of_op = {op: shapes(matrix, op, dtype) for op in OPS}
+        every = sorted({s for op in OPS for s in of_op[op]}, key=lambda s: (math.prod(s), s))
         for shape in every:
             params.extend(_limit_cases(dtype, shape))
             for op in OPS:
-                if shape in shapes(matrix, op):
+                if shape in of_op[op]:
                     serving_op = [b for b in by_op[op] if b.name not in refused]
                     params.extend(_cases(op, dtype, shape, serving_op))
+                    if matrix == "full":
+                        params.extend(_peer_cases(op, dtype, shape))
     return params
 
 
@@ -285,6 +307,20 @@ def _cases(op: str, dtype: str, shape: tuple[int, ...], backends: list[Backend])
             params.append(pytest.param(case, id=case.id, marks=pytest.mark.skip(reason=reason)))
         else:
             params.append(pytest.param(case, id=case.id))
+    return params
+
+
+def _peer_cases(op: str, dtype: str, shape: tuple[int, ...]) -> list[Any]:
+    """The peers of ``op`` on one input (torch.compile on :data:`COMPILE_SHAPES` only)."""
+    params = []
+    for name in peers.PEERS.get(op, ()):
+        if name == "torch_compile" and shape not in COMPILE_SHAPES:
+            continue
+        mode = "out" if name == "ort_iobinding" else "alloc"
+        case = Case(op, name, mode, shape, dtype, reference=True)
+        why = peers.unavailable(op, name, dtype)
+        marks = [] if why is None else [pytest.mark.skip(reason=f"peer {name}: {why}")]
+        params.append(pytest.param(case, id=case.id, marks=marks))
     return params
 
 
@@ -348,8 +384,20 @@ def inputs() -> Inputs:
 
 def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
     if case.reference or case.op is None:
-        return reference_call(case.op or "layer_norm", case.subject, data)
+        try:
+            return reference_call(case.op or "layer_norm", case.subject, data)
+        except peers.PeerUnavailable as exc:  # a peer that fails to build on this input
+            pytest.skip(f"peer {case.subject}: {exc}")
     return backend_call(case.op, registry.get(case.subject), data, out=case.mode == "out")
+
+
+def default_backend(op: str, data: Workload) -> str | None:
+    """The backend normlab chooses for ``op`` on the NumPy inputs of ``data`` (a forward)."""
+    if op not in FORWARDS:
+        return None
+    bias = data.bias if op == "layer_norm" else None
+    plan = spec.plan(op, data.x, None, data.weight, bias, EPS, None, False, None)
+    return dispatch.choose(plan).backend.name
 
 
 def _probe(call: Callable[[], Any]) -> float:
@@ -431,6 +479,10 @@ def test_matrix(
     call = _call_for(case, data)
     rounds, iterations = _pace(_probe(call), share, MIN_ROUND_S, matrix)
     nbytes = 2 * data.x.nbytes if case.op is None else moved_bytes(case.op, data)
+    if case.kind in FORWARDS:
+        benchmark.extra_info["default"] = default_backend(case.kind, data) == case.subject
+    if case.reference and case.op is not None and case.subject.startswith("ort"):
+        benchmark.extra_info["onnx_op"] = peers.onnx_op(case.op, case.dtype)
     benchmark.extra_info.update(
         kind=case.kind,
         op=case.op,

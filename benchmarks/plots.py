@@ -1,9 +1,14 @@
-"""PNG plots of a run: GB/s against hidden size, per backend, with the copy limit as a line.
+"""PNG plots of a run: GB/s against hidden size, and time per call against rows for small sizes.
 
-One figure per op and dtype, one panel per row count (``[rows, hidden]`` inputs where the op
-was measured at two or more hidden sizes), hidden sizes evenly spaced, GB/s on a log scale.
-Backends are coloured lines (solid: allocating, dashed: ``out=``); the references are grey; the
-copy limit is black (solid: ``x.copy()``, dashed: ``np.copyto``, forwards only)."""
+GB/s: one figure per op and dtype, one panel per row count (``[rows, hidden]`` inputs where the
+op was measured at two or more hidden sizes), hidden sizes evenly spaced, GB/s on a log scale.
+Backends are coloured lines (solid: allocating, dashed: ``out=``); the references and peers are
+grey; the copy limit is black (solid: ``x.copy()``, dashed: ``np.copyto``, forwards only).
+
+Time per call (``<stem>-<op>-<dtype>-rows.png``, forwards): one panel per hidden size measured
+at :data:`SWEEP_LEAST` or more row counts up to :data:`SWEEP_MAX_ROWS`, rows and time on log
+scales: the peers, ``x.copy()`` and normlab's default choice for NumPy input (its allocating
+call, whichever backend that is at each size) on one plot."""
 
 from __future__ import annotations
 
@@ -29,7 +34,17 @@ _REFERENCE_STYLE: Final = {
     "copyto": {"color": "black", "linestyle": "--", "linewidth": 1.5},
     "torch": {"color": "0.45", "linestyle": ":", "marker": "s"},
     "textbook": {"color": "0.7", "linestyle": ":", "marker": "v"},
+    "ort": {"color": "0.3", "linestyle": "-.", "marker": "D"},
+    "ort_iobinding": {"color": "0.3", "linestyle": ":", "marker": "d"},
+    "torch_compile": {"color": "0.55", "linestyle": "-.", "marker": "^"},
 }
+#: The rows sweep: hidden sizes measured at this many row counts up to the largest get a panel.
+SWEEP_LEAST: Final = 4
+SWEEP_MAX_ROWS: Final = 1024
+SWEEP_HIDDEN: Final = (768, 1024)
+#: The calls of the time-per-call plot besides normlab's default: the copy and the peers.
+_SWEEP_REFERENCES: Final = ("copy", "torch", "ort", "ort_iobinding", "torch_compile")
+_DEFAULT_STYLE: Final = {"color": "tab:red", "linestyle": "-", "marker": "o", "linewidth": 2.0}
 
 
 def render(
@@ -58,16 +73,77 @@ def render(
             figure.savefig(path, dpi=90, bbox_inches="tight")
             plt.close(figure)
             paths.setdefault(op, []).append(path)
+        for dtype in dict.fromkeys(r.dtype for r in rows):
+            small = [
+                r
+                for r in rows
+                if r.dtype == dtype
+                and len(r.shape) == 2
+                and r.shape[0] <= SWEEP_MAX_ROWS
+                and r.op in (op, None)
+            ]
+            figure = _rows_figure(small, op, titles.get(op, op), dtype) if op in FORWARDS else None
+            if figure is None:
+                continue
+            path = directory / f"{stem}-{op}-{dtype}-rows.png"
+            figure.savefig(path, dpi=90, bbox_inches="tight")
+            plt.close(figure)
+            paths.setdefault(op, []).append(path)
     return paths
+
+
+def _rows_figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
+    """Time per call against rows, one panel per swept hidden size; ``None`` if none was."""
+    by_hidden: dict[int, list[Row]] = defaultdict(list)
+    for row in rows:
+        if row.subject in _SWEEP_REFERENCES or (row.default and row.mode == "alloc"):
+            by_hidden[row.shape[1]].append(row)
+    panels = sorted(
+        h
+        for h, group in by_hidden.items()
+        if len({r.shape[0] for r in group if r.default}) >= SWEEP_LEAST
+    )
+    if not panels:
+        return None
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
+    for ax, hidden in zip(axes.flat, panels, strict=True):
+        lines: dict[str, list[Row]] = defaultdict(list)
+        for row in by_hidden[hidden]:
+            lines["default" if row.kind != "reference" else row.subject].append(row)
+        for name, points in sorted(lines.items()):
+            points.sort(key=lambda r: r.shape[0])
+            if name == "default":
+                chosen = ", ".join(dict.fromkeys(r.subject for r in points))
+                label, style = f"normlab default ({chosen})", _DEFAULT_STYLE
+            else:
+                label, style = points[0].label, _REFERENCE_STYLE[name]
+            ax.plot(
+                [r.shape[0] for r in points],
+                [r.seconds * 1e6 for r in points],
+                label=label,
+                markersize=4,
+                **style,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"hidden {hidden}", fontsize=10)
+        ax.set_xlabel("rows")
+        ax.set_ylabel("µs per call (best round)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    figure.suptitle(f"{title}, {dtype}: time per call against rows (small sizes)")
+    figure.tight_layout()
+    return figure
 
 
 def _figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
     by_rows: dict[int, list[Row]] = defaultdict(list)
     for row in rows:
         by_rows[row.shape[0]].append(row)
-    panels = sorted(  # the copy limits alone make no line worth a panel
-        n for n, group in by_rows.items() if len({r.shape[1] for r in group if r.op}) > 1
-    )
+    # The copy limits alone make no line worth a panel; a row count measured at the sweep's
+    # hidden sizes only is drawn in the time-per-call plot instead.
+    hiddens = {n: {r.shape[1] for r in group if r.op} for n, group in by_rows.items()}
+    panels = sorted(n for n, h in hiddens.items() if len(h) > 1 and not h <= set(SWEEP_HIDDEN))
     if not panels:
         return None
     hidden = sorted({r.shape[1] for r in rows})

@@ -8,7 +8,10 @@ Every time is the best round (pytest-benchmark's ``min``): on a shared machine n
 time. Each call is compared with the reference points of its op measured beside it on the same
 input: the copy matched to the call (``x.copy()`` for allocating calls, ``np.copyto`` for
 ``out=``), torch (``F.layer_norm``, ``F.rms_norm``, or autograd's backward of them) and, for
-LayerNorm, the textbook NumPy formula. GB/s counts the bytes the op must move (forwards: ``x``
+LayerNorm, the textbook NumPy formula. The full matrix adds the forwards' other peers: ONNX
+Runtime (``session.run``, and an io_binding into a preallocated output) and ``torch.compile``;
+"× best peer" is the call's speed-up over the fastest peer measured beside it (torch eager,
+either ORT call, torch.compile). GB/s counts the bytes the op must move (forwards: ``x``
 and ``y``; backwards: ``x`` and ``dy`` read, ``dx`` written, plus statistics and parameter
 gradients); "% of copy" is that GB/s over the copy's. Runs saved before the matrix had several
 ops hold LayerNorm forward calls only, and read as such.
@@ -52,6 +55,8 @@ LARGE_BYTES: Final = 8 * 2**20
 #: ... and below this, latency-bound.
 SMALL_BYTES: Final = 2**20
 DISPATCH_TARGET_US: Final = 1.5
+#: The full matrix's time budget (minutes): the default of benchmarks/conftest.py's SETTINGS.
+FULL_BUDGET_MINUTES: Final = 45.0
 #: Least relative change of the fraction of the copy limit that compare() flags.
 REGRESSION_FLOOR: Final = 0.10
 #: The ops of the matrix, in the order of the report, with their titles.
@@ -67,7 +72,12 @@ REFERENCE_LABELS: Final = {
     "textbook": "textbook NumPy",
     "copy": "x.copy()",
     "copyto": "np.copyto",
+    "ort": "ORT session.run",
+    "ort_iobinding": "ORT io_binding",
+    "torch_compile": "torch.compile",
 }
+#: The peers: what a user could call instead of normlab ("torch" is torch eager).
+PEERS: Final = ("torch", "ort", "ort_iobinding", "torch_compile")
 TORCH_LABELS: Final = {
     "layer_norm": "torch F.layer_norm",
     "rms_norm": "torch F.rms_norm",
@@ -113,7 +123,9 @@ class Row:
     """One timed call with its ratios to the references beside it (``None``: not measured).
 
     ``kind`` is ``"reference"`` or the op of a backend call; ``op`` the op it belongs to (None
-    for the copy limits, which serve every op).
+    for the copy limits, which serve every op). ``vs_peer``: speed-up over the fastest other
+    peer (:data:`PEERS`) on the same input; ``default``: normlab chooses this backend for this
+    NumPy input when no backend is named.
     """
 
     kind: str
@@ -127,6 +139,8 @@ class Row:
     of_copy: float | None
     vs_torch: float | None
     vs_textbook: float | None
+    vs_peer: float | None = None
+    default: bool = False
 
     @property
     def gbps(self) -> float:
@@ -160,6 +174,8 @@ class Summary:
     vs_torch: float | None
     vs_textbook: float | None
     small_vs_torch: float | None
+    vs_peer: float | None = None
+    small_vs_peer: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +285,8 @@ def rows(run: dict[str, Any]) -> list[Row]:
             None if own == name else _speedup(refs, (op, shape, dtype, name), seconds)
             for name in ("torch", "textbook")
         )
+        others = [refs.get((op, shape, dtype, p)) for p in PEERS if p != own]
+        best_peer = min((ref[0] for ref in others if ref is not None), default=None)
         result.append(
             Row(
                 kind=info["kind"],
@@ -282,6 +300,8 @@ def rows(run: dict[str, Any]) -> list[Row]:
                 of_copy=copy,
                 vs_torch=torch,
                 vs_textbook=textbook,
+                vs_peer=None if best_peer is None else best_peer / seconds,
+                default=bool(info.get("default", False)),
             )
         )
     return result
@@ -304,7 +324,7 @@ def summary(all_rows: Sequence[Row]) -> list[Summary]:
     """Per op, call and dtype: geometric means over large inputs, and × torch over small ones."""
     groups: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
     for row in all_rows:
-        if row.op is not None and (row.kind != "reference" or row.subject in ("torch", "textbook")):
+        if row.op is not None and (row.kind != "reference" or row.subject in (*PEERS, "textbook")):
             groups[(row.op, row.label, row.dtype)].append(row)
     result = []
     for (op, label, dtype), group in groups.items():
@@ -320,6 +340,8 @@ def summary(all_rows: Sequence[Row]) -> list[Summary]:
                 vs_torch=_geomean(r.vs_torch for r in large),
                 vs_textbook=_geomean(r.vs_textbook for r in large),
                 small_vs_torch=_geomean(r.vs_torch for r in small),
+                vs_peer=_geomean(r.vs_peer for r in large),
+                small_vs_peer=_geomean(r.vs_peer for r in small),
             )
         )
     return result
@@ -426,43 +448,67 @@ def _has_textbook(all_rows: Sequence[Row], op: str) -> bool:
     return any(r.op == op and r.kind == "reference" and r.subject == "textbook" for r in all_rows)
 
 
+def _has_peers(all_rows: Sequence[Row], op: str) -> bool:
+    """Whether ``op`` was measured beside a peer other than torch eager (a full matrix)."""
+    return any(r.op == op and r.kind == "reference" and r.subject in PEERS[1:] for r in all_rows)
+
+
 def summary_table(all_rows: Sequence[Row], op: str) -> Table:
     """Key ratios of ``op``: per call and dtype, geometric means over large and small inputs."""
     textbook = _has_textbook(all_rows, op)
+    peers = _has_peers(all_rows, op)
     body = []
     for s in summary(all_rows):
         if s.op != op:
             continue
         line = [s.label, s.dtype, _gbps(s.gbps), _pct(s.of_copy), _times(s.vs_torch)]
         line += [_times(s.vs_textbook)] if textbook else []
-        body.append((*line, _times(s.small_vs_torch)))
+        line += [_times(s.vs_peer)] if peers else []
+        line += [_times(s.small_vs_torch)]
+        line += [_times(s.small_vs_peer)] if peers else []
+        body.append(tuple(line))
     headers: tuple[str, ...] = ("call", "dtype", "GB/s", "% of copy", "× torch")
     headers += ("× textbook",) if textbook else ()
+    headers += ("× best peer",) if peers else ()
+    headers += ("× torch (small)",) + (("× best peer (small)",) if peers else ())
     speedups = "× torch and × textbook are speed-ups" if textbook else "× torch is a speed-up"
+    peer_note = (
+        " × best peer: over the fastest other peer on the same input (torch eager, ORT "
+        "session.run, ORT io_binding, torch.compile where measured)."
+        if peers
+        else ""
+    )
     return Table(
         f"{OP_TITLES.get(op, op)}: key ratios (geometric means)",
-        (*headers, "× torch (small)"),
+        headers,
         body,
         f"{OP_NOTES.get(op, '')} Large inputs: x ≥ {LARGE_BYTES // 2**20} MiB; small: x < "
-        f"{SMALL_BYTES // 2**20} MiB. {speedups} (above 1: faster than the reference).".strip(),
+        f"{SMALL_BYTES // 2**20} MiB. {speedups} (above 1: faster than the reference)."
+        f"{peer_note}".strip(),
     )
 
 
 def detail_table(all_rows: Sequence[Row], op: str, dtype: str) -> Table:
     """Every backend call of ``op`` on ``dtype`` inputs, shape by shape."""
     textbook = _has_textbook(all_rows, op)
+    peers = _has_peers(all_rows, op)
     body = []
     for r in all_rows:
         if r.op == op and r.dtype == dtype and r.kind != "reference":
-            line = [_shape(r.shape), r.label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
+            label = r.label + (" (default)" if r.default else "")
+            line = [_shape(r.shape), label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
             line += [_times(r.vs_torch)] + ([_times(r.vs_textbook)] if textbook else [])
+            line += [_times(r.vs_peer)] if peers else []
             body.append(tuple(line))
     headers = ("shape", "call", "time", "GB/s", "% of copy", "× torch")
-    return Table(
-        f"{OP_TITLES.get(op, op)}, {dtype}: every backend call",
-        headers + (("× textbook",) if textbook else ()),
-        body,
+    headers += ("× textbook",) if textbook else ()
+    headers += ("× best peer",) if peers else ()
+    note = (
+        "(default): normlab's choice for this NumPy input when no backend is named."
+        if any(r.default for r in all_rows if r.op == op)
+        else ""
     )
+    return Table(f"{OP_TITLES.get(op, op)}, {dtype}: every backend call", headers, body, note)
 
 
 def dispatch_table(run: dict[str, Any]) -> Table:
@@ -725,6 +771,22 @@ def docs_page(
         "machine, noise only adds time. The copy is one NumPy thread, so a parallel kernel can "
         "pass 100%.",
         "",
+        "The full matrix (`nox -s bench`) also measures the forwards' other peers: ONNX Runtime "
+        "on the CPU (`LayerNormalization`, opset 17; for RMSNorm `RMSNormalization`, opset 23, "
+        "or ORT's `SimplifiedLayerNormalization` where that has no kernel for the dtype), both "
+        "allocating (`session.run`) and through an io_binding into a preallocated output, on "
+        "every forward shape and dtype it has a kernel for (onnxruntime 1.31.1: float32, float16 "
+        "and float64 for all three ops; bfloat16 for `LayerNormalization` and "
+        "`SimplifiedLayerNormalization` but not `RMSNormalization`, which ORT expands into "
+        "operators without a bfloat16 CPU kernel; bfloat16 goes through OrtValues, as NumPy "
+        "cannot hand it to `session.run`); and `torch.compile` (inductor, `dynamic=False`, "
+        "compiled before the timing) on a subset of shapes (rows 1, 8, 64, 256, 1024, 16384 and "
+        "65536 at hidden 768 and 1024), float32 and float16. `× best peer` is a call's speed-up "
+        "over the fastest of "
+        "them and torch eager on the same input. Its forwards also sweep small sizes (rows 1, "
+        "2, 4 … 1024 at hidden 768 and 1024, float32 and float16), drawn as time per call "
+        "against rows beside normlab's default choice for NumPy input.",
+        "",
         "## Runs",
         "",
         "| section | from |",
@@ -732,6 +794,15 @@ def docs_page(
         *[f"| {OP_TITLES.get(op, op)} | `{sources[i]}` |" for op, i in chosen.items()],
         "",
     ]
+    measured_peers = any(
+        r.kind == "reference" and r.subject in PEERS[1:] for i in used for r in rows(runs[i][1])
+    )
+    if not measured_peers:
+        parts += [
+            "The runs below predate the peers and the small-size sweep (or ran without "
+            "onnxruntime): their figures come from the next full run on an idle machine.",
+            "",
+        ]
     quick = [sources[i] for i in used if runs[i][1].get("normlab", {}).get("matrix") == "quick"]
     if quick:
         parts += [
@@ -780,12 +851,19 @@ def docs_page(
         "## Reproduce",
         "",
         "```sh",
-        "nox -s bench                 # the full matrix (about 45 minutes), then this page",
+        f"nox -s bench                 # the full matrix ({FULL_BUDGET_MINUTES:.0f} min "
+        "budget), then this page",
         "nox -s bench-quick           # a small subset, in CI",
         "python benchmarks/run.py --full --budget-minutes 60",
         f"python benchmarks/run.py --report {' '.join(sources)} --write-docs   # this page again",
         "python benchmarks/run.py --compare A.json B.json            # two runs side by side",
         "```",
+        "",
+        f"`bench` runs the matrix within a {FULL_BUDGET_MINUTES:.0f}-minute budget "
+        "(`--budget-minutes`, passed on as pytest's `--normlab-budget-minutes`): each case gets "
+        "a share of the time left in proportion to its input size, and the cases still waiting "
+        "when the budget is spent are skipped and listed under Not measured. Installing the "
+        "session (torch, numba, onnxruntime, onnx) and drawing this page come on top.",
         "",
         "`--report` with several runs takes each op's section from the first run that measured "
         "it. `--compare` judges each call per op and dtype on its fraction of the copy limit, "

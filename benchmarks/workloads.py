@@ -15,6 +15,10 @@ alone, from the statistics the forward returned). The reference points, on the s
   ``x`` (the limit), into a new array (``x.copy()``, matched to allocating calls) and into an
   existing one (``np.copyto``, matched to ``out=`` calls).
 
+The full matrix adds the peers of the forwards (:data:`peers.PEERS`: ONNX Runtime allocating and
+through an io_binding, ``torch.compile``), built by ``peers.py`` and called here like the
+references.
+
 The backwards get ``dy`` and the statistics (``return_stats=True`` of the forward) from the
 :class:`Workload`; all ops read the same ``x``, ``weight`` and ``bias``.
 """
@@ -43,6 +47,7 @@ __all__ = [
     "moved_bytes",
     "numpy_dtype",
     "reference_call",
+    "torch_forward",
 ]
 
 EPS: Final = 1e-5
@@ -195,8 +200,12 @@ def reference_call(op: str, name: str, data: Workload) -> Call:
     if name == "copyto":
         y = np.empty_like(x)
         return lambda: np.copyto(y, x)
+    import peers
+
+    if name in peers.PEERS.get(op, ()):
+        return peers.call(op, name, data)
     if name not in REFERENCES.get(op, ()):
-        known = ", ".join((*REFERENCES.get(op, ()), *LIMITS))
+        known = ", ".join((*REFERENCES.get(op, ()), *peers.PEERS.get(op, ()), *LIMITS))
         raise ValueError(f"unknown reference {name!r} of {op!r}; known: {known}")
     if name == "textbook":
         return lambda: (
@@ -209,8 +218,9 @@ def reference_call(op: str, name: str, data: Workload) -> Call:
 def _torch_call(op: str, data: Workload) -> Call:
     """torch's forward, or torch autograd's backward alone, on views of ``data``.
 
-    torch's rms_norm gets its weight in x's dtype: with a float32 weight on half input it
-    warns and takes a slower path, and ``torch.nn.RMSNorm(dtype=...)`` holds it so anyway.
+    Called directly, not through :func:`torch_forward`'s function: no extra Python call is
+    timed. torch's rms_norm gets its weight in x's dtype: with a float32 weight on half input
+    it warns and takes a slower path, and ``torch.nn.RMSNorm(dtype=...)`` holds it so anyway.
     """
     import torch
     import torch.nn.functional as F
@@ -233,6 +243,30 @@ def _torch_call(op: str, data: Workload) -> Call:
         y = F.rms_norm(leaves[0], shape, leaves[1], EPS)
     dy = _torch_view(data.dy)
     return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
+
+
+def torch_forward(op: str, data: Workload) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """torch's forward of ``op`` as a function and its arguments (views of ``data``): the
+    torch eager reference's call, for the ``torch_compile`` peer to compile (rms_norm's weight
+    in x's dtype, as there)."""
+    import torch.nn.functional as F
+
+    shape = (data.shape[-1],)
+    x, weight = _torch_view(data.x), _torch_view(data.weight)
+    if op == "layer_norm":
+        bias = _torch_view(data.bias)
+
+        def layer_norm(x: Any, weight: Any, bias: Any) -> Any:
+            return F.layer_norm(x, shape, weight, bias, EPS)
+
+        return layer_norm, (x, weight, bias)
+    if op == "rms_norm":
+
+        def rms_norm(x: Any, weight: Any) -> Any:
+            return F.rms_norm(x, shape, weight, EPS)
+
+        return rms_norm, (x, weight.to(x.dtype))
+    raise ValueError(f"no torch forward for {op!r}")
 
 
 def _torch_view(a: np.ndarray) -> Any:

@@ -295,3 +295,207 @@ def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
     page = report.docs_page([("tiny.json", run)], {})
     for title in report.OP_TITLES.values():
         assert f"\n## {title}\n" in page
+
+
+# --------------------------------------------------------------------------------------------
+# The peers of the full matrix (ONNX Runtime, torch.compile): ratios, plots, and the real calls.
+
+#: Seconds of each peer (and normlab's default backend) on every shape, LayerNorm forward.
+PEER_TIMES = {"ort": 5e-3, "ort_iobinding": 1.5e-3, "torch_compile": 2.5e-3}
+
+
+def _run_with_peers() -> dict[str, Any]:
+    """A full run whose LayerNorm forward has the peers beside torch, numpy flagged default."""
+    run = _run()
+    for bench in run["benchmarks"]:
+        info = bench["extra_info"]
+        if info["kind"] == "layer_norm":
+            info["default"] = info["subject"] == "numpy"
+    for shape in SHAPES:
+        for name, seconds in PEER_TIMES.items():
+            mode = "out" if name == "ort_iobinding" else "alloc"
+            run["benchmarks"].append(_bench("reference", "layer_norm", name, mode, seconds, shape))
+    return run
+
+
+def test_best_peer_is_the_fastest_other_peer_beside_the_call() -> None:
+    run = _run_with_peers()
+    rows = {(r.op, r.subject, r.mode): r for r in report.rows(run) if r.shape == (1024, 1024)}
+    # numpy alloc 4 ms; peers: torch 3, ORT 5, ORT io_binding 1.5, torch.compile 2.5 ms.
+    assert rows[("layer_norm", "numpy", "alloc")].vs_peer == pytest.approx(1.5 / 4)
+    assert rows[("layer_norm", "numpy", "out")].vs_peer == pytest.approx(1.5 / 2)
+    # A peer is compared with the fastest of the others, never with itself.
+    assert rows[("layer_norm", "ort_iobinding", "out")].vs_peer == pytest.approx(2.5 / 1.5)
+    assert rows[("layer_norm", "ort_iobinding", "out")].of_copy == pytest.approx(1 / 1.5)
+    assert rows[("layer_norm", "ort_iobinding", "out")].label == "ORT io_binding"
+    assert rows[("rms_norm", "numpy", "alloc")].vs_peer == pytest.approx(4.0)  # torch alone
+    assert rows[("layer_norm", "numpy", "alloc")].default
+    tables = {t.title: t for t in report.report_tables(run)}
+    summary = tables["LayerNorm forward: key ratios (geometric means)"]
+    assert "× best peer" in summary.headers and "× best peer (small)" in summary.headers
+    labels = [line[0] for line in summary.body]
+    assert {"ORT session.run", "ORT io_binding", "torch.compile"} <= set(labels)
+    assert "× best peer" not in tables["RMSNorm forward: key ratios (geometric means)"].headers
+    detail = tables["LayerNorm forward, float32: every backend call"]
+    assert any(line[1] == "numpy (default)" for line in detail.body)
+    page = report.docs_page([("full.json", run)], {})
+    assert "predate the peers" not in page and "45-minute budget" in page
+    assert "predate the peers" in report.docs_page([("old.json", _run())], {})
+
+
+def test_the_stated_budget_is_the_full_matrix_default() -> None:
+    conftest = _load("conftest")
+    assert conftest.SETTINGS["full"]["budget_minutes"] == report.FULL_BUDGET_MINUTES
+
+
+def test_time_per_call_is_drawn_against_rows_with_the_peers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plots = _load("plots")
+    run = _run_with_peers()
+    first = [b for b in run["benchmarks"] if b["extra_info"]["shape"] == SHAPES[0]]
+    for rows in (1, 2, 8, 64):  # a sweep at hidden 768: copies of the 1024x1024 calls
+        for bench in first:
+            copy = json.loads(json.dumps(bench))
+            copy["extra_info"]["shape"] = [rows, 768]
+            run["benchmarks"].append(copy)
+    drawn = plots.render(report.rows(run), tmp_path, "peers", report.OP_TITLES)
+    names = [p.name for p in drawn["layer_norm"]]
+    assert "peers-layer_norm-float32-rows.png" in names
+    assert not any(n.endswith("-rows.png") for n in names if "rms_norm" in n)
+    # Without the default flag there is no normlab line to draw: no time-per-call figure.
+    plain = plots.render(report.rows(_run()), tmp_path, "plain", report.OP_TITLES)
+    assert not any(p.name.endswith("-rows.png") for ps in plain.values() for p in ps)
+
+
+def _benchmarks_on_path() -> None:
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+
+
+def test_the_quick_matrix_has_no_peers_and_the_full_one_skips_them_with_a_reason() -> None:
+    _benchmarks_on_path()
+    import bench_matrix
+
+    quick = [p.id for p in bench_matrix.matrix_params("quick")]
+    assert not any("ref-ort" in i or "ref-torch_compile" in i for i in quick)
+    full = {p.id: p for p in bench_matrix.matrix_params("full")}
+    for name in ("ort", "ort_iobinding", "torch_compile"):
+        param = full[f"float32-64x768-layer_norm-ref-{name}"]
+        for mark in param.marks:  # skipped only with a reason
+            assert mark.name == "skip" and mark.kwargs["reason"].startswith(f"peer {name}: ")
+    assert "float32-64x1000-layer_norm-ref-torch_compile" not in full  # not in the subset
+    assert "float16-2x1024-rms_norm-ref-ort" in full  # the sweep
+    assert "float64-2x1024-rms_norm-ref-ort" not in full
+    assert not any("backward-ref-ort" in i for i in full)
+
+
+def _peer_result(result: Any, dtype: str) -> Any:
+    """A peer's output as a float64 NumPy array (bfloat16 OrtValues through their memory)."""
+    import ctypes
+
+    import numpy as np
+
+    first = result[0] if isinstance(result, list) else result
+    if hasattr(first, "data_ptr") and not isinstance(first, np.ndarray):  # an OrtValue
+        if dtype != "bfloat16":
+            return first.numpy().astype(np.float64)
+        count = int(np.prod(first.shape()))
+        bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(first.data_ptr()))
+        return bits.copy().view(report_dtype(dtype)).reshape(first.shape()).astype(np.float64)
+    if hasattr(first, "detach"):  # a torch tensor
+        return first.detach().float().numpy().astype(np.float64)
+    return np.asarray(first).astype(np.float64)
+
+
+def report_dtype(dtype: str) -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_each_peer_computes_the_op_on_a_tiny_input(op: str, dtype: str) -> None:
+    """Each peer's call (as the matrix times it) equals normlab's result; nothing is timed."""
+    pytest.importorskip("onnxruntime", reason="the peers need onnxruntime (nox -s bench)")
+    pytest.importorskip("ml_dtypes")
+    import numpy as np
+
+    import normlab
+
+    _benchmarks_on_path()
+    import peers
+    import workloads
+
+    data = workloads.Workload((5, 64), dtype)
+    eps = workloads.EPS  # what every peer is given (normlab's rms_norm defaults to another)
+    if op == "layer_norm":
+        expected = normlab.layer_norm(
+            data.x, weight=data.weight, bias=data.bias, eps=eps, backend="numpy"
+        )
+    else:
+        expected = normlab.rms_norm(data.x, weight=data.weight, eps=eps, backend="numpy")
+    tolerance = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 6e-2, "float64": 1e-12}[dtype]
+    ran = []
+    for name in peers.PEERS[op]:
+        if peers.unavailable(op, name, dtype) is not None:
+            continue
+        call = workloads.reference_call(op, name, data)
+        got = _peer_result(call(), dtype)
+        np.testing.assert_allclose(got, expected.astype(np.float64), atol=tolerance, rtol=0)
+        ran.append(name)
+    assert {"ort", "ort_iobinding"} <= set(ran)  # ORT has both ops on all four dtypes
+    if dtype in peers.COMPILE_DTYPES:
+        assert "torch_compile" in ran
+    assert peers.onnx_op(op, dtype) in (
+        "LayerNormalization",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+    )
+
+
+def test_a_tiny_full_matrix_run_has_the_peers(tmp_path: Path) -> None:
+    """The real full matrix on one tiny input, the peers and the copy: rows and ratios appear."""
+    pytest.importorskip("pytest_benchmark")
+    pytest.importorskip("onnxruntime", reason="the peers need onnxruntime (nox -s bench)")
+    saved = tmp_path / "peers.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "benchmarks/bench_matrix.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--normlab-matrix=full",
+            "--normlab-budget-minutes=0.5",
+            f"--benchmark-json={saved}",
+            "-k",
+            "test_matrix and float32-1x768- and (ref or numpy-alloc)",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    run = json.loads(saved.read_text())
+    rows = report.rows(run)
+    subjects = {(r.op, r.subject) for r in rows if r.kind == "reference"}
+    for op in ("layer_norm", "rms_norm"):
+        assert {(op, "ort"), (op, "ort_iobinding"), (op, "torch_compile")} <= subjects
+    ort = [b["extra_info"] for b in run["benchmarks"] if b["extra_info"]["subject"] == "ort"]
+    onnx_ops = {i["op"]: i["onnx_op"] for i in ort}
+    assert onnx_ops["layer_norm"] == "LayerNormalization"
+    assert onnx_ops["rms_norm"] in ("RMSNormalization", "SimplifiedLayerNormalization")
+    numpy = [r for r in rows if r.subject == "numpy" and r.op in ("layer_norm", "rms_norm")]
+    assert numpy and all(r.vs_peer is not None for r in numpy)
+    assert all(
+        isinstance(b["extra_info"].get("default"), bool)
+        for b in run["benchmarks"]
+        if b["extra_info"]["kind"] in ("layer_norm", "rms_norm")
+    )
