@@ -257,10 +257,9 @@ def test_plots_are_drawn(tmp_path: Path) -> None:
     assert path.name == "synthetic-rms_norm-float32.png" and path.stat().st_size > 0
 
 
-def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
-    """The real matrix, one small input, numpy and the references: each op's rows are there."""
-    pytest.importorskip("pytest_benchmark")
-    saved = tmp_path / "tiny.json"
+def _tiny_matrix_run(saved: Path, matrix: str, budget: float, selection: str) -> dict[str, Any]:
+    """Run the real matrix (``matrix``, ``budget`` minutes, tests matching ``selection``) in a
+    subprocess saving to ``saved``; return the saved run."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
@@ -272,11 +271,11 @@ def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            "--normlab-matrix=quick",
-            "--normlab-budget-minutes=0.25",
+            f"--normlab-matrix={matrix}",
+            f"--normlab-budget-minutes={budget}",
             f"--benchmark-json={saved}",
             "-k",
-            "test_matrix and float32-1x1000- and (ref or numpy)",
+            selection,
         ],
         cwd=ROOT,
         env=env,
@@ -285,7 +284,15 @@ def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    run = json.loads(saved.read_text())
+    return json.loads(saved.read_text())  # type: ignore[no-any-return]
+
+
+def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
+    """The real matrix, one small input, numpy and the references: each op's rows are there."""
+    pytest.importorskip("pytest_benchmark")
+    run = _tiny_matrix_run(
+        tmp_path / "tiny.json", "quick", 0.25, "test_matrix and float32-1x1000- and (ref or numpy)"
+    )
     rows = [r for r in report.rows(run) if r.subject == "numpy" and r.mode == "alloc"]
     assert {r.op for r in rows} == set(OPS)
     assert all(r.of_copy is not None and r.gbps > 0 for r in rows)
@@ -458,32 +465,12 @@ def test_a_tiny_full_matrix_run_has_the_peers(tmp_path: Path) -> None:
     """The real full matrix on one tiny input, the peers and the copy: rows and ratios appear."""
     pytest.importorskip("pytest_benchmark")
     pytest.importorskip("onnxruntime", reason="the peers need onnxruntime (nox -s bench)")
-    saved = tmp_path / "peers.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "benchmarks/bench_matrix.py",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--normlab-matrix=full",
-            "--normlab-budget-minutes=0.5",
-            f"--benchmark-json={saved}",
-            "-k",
-            "test_matrix and float32-1x768- and (ref or numpy-alloc)",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
+    run = _tiny_matrix_run(
+        tmp_path / "peers.json",
+        "full",
+        0.5,
+        "test_matrix and float32-1x768- and (ref or numpy-alloc)",
     )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    run = json.loads(saved.read_text())
     rows = report.rows(run)
     subjects = {(r.op, r.subject) for r in rows if r.kind == "reference"}
     for op in ("layer_norm", "rms_norm"):
