@@ -3,16 +3,18 @@
 normlab hands ``layer_norm`` a validated plan and ``x`` as C-contiguous 2-D rows (the record
 claims no capabilities, so normlab copies any other layout and writes ``out`` itself)::
 
-    x0   = x[:, 0]                        the row's first element
-    d    = mean(x - x0)                   mean = x0 + d
-    var  = mean((x - x0 - d)^2)           population variance
-    rstd = 1 / sqrt(var + eps)
-    y    = (x - mean) * rstd * weight + bias
+    s    = 2^k <= max |x| < 2^(k+1)       per row: dividing by s is exact
+    u    = x / s                          values in (-2, 2)
+    u0   = u[:, 0]                        the row's first element
+    d    = mean(u - u0)                   mean = (u0 + d) * s
+    v    = mean((u - u0 - d)^2)           population variance of u (var = v * s^2)
+    rstd = 1 / sqrt(v * s^2 + eps)        computed as (1 / sqrt(v + eps / s^2)) / s
+    y    = (u - u0 - d) * (s * rstd) * weight + bias
 
-Everything is computed in float64 and rounded to x's dtype once at the end: float32 and half
-rows then have sums and squares that neither overflow nor underflow, anywhere in their dtype's
-finite range (which binds every backend, see normlab's docs/contract.md). The statistics are
-returned in ``plan.stats_dtype``.
+Everything is computed in float64 and rounded to x's dtype once at the end. Scaling each row
+by a power of two keeps its squares from overflowing or underflowing anywhere in the dtype's
+finite range, float64 included (which binds every backend, see normlab's docs/contract.md).
+The statistics are returned in ``plan.stats_dtype``.
 """
 
 from __future__ import annotations
@@ -36,14 +38,20 @@ def layer_norm(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Normalize each row of the 2-D ``x``; returns ``(y, mean, rstd)``."""
     compute = np.dtype(np.float64)
-    centred = x.astype(compute)  # a fresh copy: x is never modified
-    x0 = centred[:, :1].copy()
-    centred -= x0
+    x64 = x.astype(compute)  # a fresh copy: x is never modified
+    scale = _power_of_two_scale(x64)
+    centred = x64 / scale
+    u0 = centred[:, :1].copy()
+    centred -= u0
     shift = centred.mean(axis=1, keepdims=True)
     centred -= shift
     var = np.mean(centred * centred, axis=1, keepdims=True)
-    rstd = 1 / np.sqrt(var + compute.type(plan.eps))
-    y = centred * rstd
+    with np.errstate(over="ignore", divide="ignore"):
+        scaled_eps = plan.eps / scale / scale  # inf where eps dwarfs a row of tiny values
+        factor = np.where(  # s * rstd; where eps / s^2 overflows, v * s^2 is nothing beside eps
+            np.isfinite(scaled_eps), 1 / np.sqrt(var + scaled_eps), scale / np.sqrt(plan.eps)
+        )
+    y = centred * factor
     if weight is not None:
         y *= weight.astype(compute)
     if bias is not None:
@@ -51,7 +59,16 @@ def layer_norm(
     if not plan.return_stats:
         return y.astype(x.dtype), None, None
     stats = np.dtype(plan.stats_dtype)
-    return y.astype(x.dtype), (x0 + shift)[:, 0].astype(stats), rstd[:, 0].astype(stats)
+    mean, rstd = (u0 + shift) * scale, factor / scale
+    return y.astype(x.dtype), mean[:, 0].astype(stats), rstd[:, 0].astype(stats)
+
+
+def _power_of_two_scale(x: np.ndarray) -> np.ndarray:
+    """Per row of the float64 ``x``, the power of two ``s <= max |x| < 2 s`` (1 for a row of
+    zeros or with a NaN or Inf), as a column."""
+    largest = np.max(np.abs(x), axis=1, keepdims=True)
+    usable = np.isfinite(largest) & (largest > 0)
+    return np.ldexp(1.0, np.frexp(np.where(usable, largest, 1.0))[1] - 1)
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:
