@@ -9,6 +9,7 @@ import sys
 import warnings
 from typing import Final
 
+import mutants
 import pytest
 
 import normlab.testing
@@ -67,6 +68,22 @@ def test_backend_conforms(name: str) -> None:
     assert code == pytest.ExitCode.OK, f"{len(outcomes.failed)} failed: {outcomes.failed[:20]}"
     fixed = [k for k in KNOWN_FAILURES.get(name, ()) if not any(k in t for t in outcomes.xfailed)]
     assert not fixed, f"known failures of {name!r} no longer fail; remove them: {fixed}"
+
+
+def test_declared_flushing_skips_the_subnormal_cases() -> None:
+    """A backend that flushes subnormals to zero and declares it (``flushes_subnormals``) passes,
+    its subnormal cases skipped with a reason naming the field; the rows near the dtype's max
+    still run. Undeclared, the same backend fails them (test_suite_teeth)."""
+    outcomes = Outcomes()
+    with mutants.registered("flush_subnormals", flushes_subnormals=True) as name:
+        code = normlab.testing.check(
+            name, extra_pytest_args=("-q", "-k", "test_magnitudes"), plugins=[outcomes]
+        )
+    assert code == pytest.ExitCode.OK, outcomes.failed
+    declared = [why for test, why in outcomes.skipped.items() if "-layer_norm-" in test]
+    assert len(declared) == 4  # the four dtypes' subnormal rows (the mutant has no rms_norm)
+    assert all("declares flushes_subnormals=True" in why for why in declared)
+    assert len(outcomes.passed) == 4 and all("-dtype_max]" in t for t in outcomes.passed)
 
 
 def test_xfail_id_matching_nothing_warns() -> None:
