@@ -76,15 +76,10 @@ def test_unavailable_without_jax(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_conformance_suite() -> None:
     """``normlab check jax``, in x64 mode: float64 arrays exist only there, and the suite makes
-    each dtype the record lists (the other dtypes behave the same in either mode)."""
+    each dtype the record lists (the other dtypes behave the same in either mode). The record
+    declares ``flushes_subnormals``: the suite skips its subnormal rows, saying so."""
     with jax.enable_x64(True):
-        assert testing.check("jax", extra_pytest_args=KNOWN_FAILURES) == 0
-
-
-#: Expected failures of ``normlab check jax`` (normlab issue #15, reliability): float32 and
-#: bfloat16 rows of subnormal values (XLA on CPU flushes them to zero) and rows near the dtype's
-#: max (float32 sums of squares overflow) — the range docs/contract.md says binds every backend.
-KNOWN_FAILURES = ("--normlab-xfail=test_magnitudes[jax-",)
+        assert testing.check("jax") == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
