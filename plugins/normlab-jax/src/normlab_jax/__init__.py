@@ -35,8 +35,7 @@ RECORD: Final = normlab.BackendRecord(
     capabilities=frozenset(),
     check=_check,
     # XLA on the CPU flushes subnormal inputs and results to zero, and no flag turns that off
-    # (normlab_jax.backend says more); on a GPU XLA keeps them, but a record speaks for the
-    # backend as a whole.
+    # (normlab_jax.backend says more); a record speaks for every device its backend serves.
     flushes_subnormals=True,
     library="jax",
     description="jax.jit-compiled XLA kernels on the array's device (CPU or GPU)",
