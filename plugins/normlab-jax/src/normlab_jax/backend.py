@@ -21,7 +21,7 @@ rounded to x's dtype once, at the end. Statistics are float32, or float64 for fl
 XLA on the CPU flushes subnormal inputs and results to zero, whatever its flags
 (``--xla_cpu_ftz=false`` and ``--xla_cpu_enable_fast_math=false`` leave the processor's
 flush-to-zero mode on); the record therefore declares ``flushes_subnormals``. Scaling keeps
-every normal-range row exact, rows near the dtype's max included.
+every row of normal values accurate, rows near the dtype's max included.
 
 Row sums are pairwise trees of element-wise adds (:func:`row_mean`), not ``jnp.sum``: XLA picks
 a reduction order by the shape of the whole batch, so a row's ``jnp.sum`` changes in its last
