@@ -262,6 +262,7 @@ def _info_one(name: str, console: Console) -> int:
         ("dtypes", Text(", ".join(_dtype_order(b.dtypes)))),
         ("ops", Text(", ".join(sorted(b.ops)))),
         ("capabilities", Text(", ".join(sorted(b.capabilities)) or "—")),
+        ("flushes subnormals", Text(_flushing(b))),
         ("priority", Text(str(b.priority))),
         ("provided by", Text(b.provided_by)),
     )
@@ -271,6 +272,12 @@ def _info_one(name: str, console: Console) -> int:
     if b.explicit_families:
         console.print("* served only when named: backend=NAME or use_backend(NAME)")
     return 0
+
+
+def _flushing(b: Backend) -> str:
+    if b.flushes_subnormals:
+        return "yes — subnormal inputs are outside its contract (flushes_subnormals)"
+    return "no"
 
 
 def _dtype_order(dtypes: Iterable[str]) -> list[str]:

@@ -112,6 +112,10 @@ class BackendRecord:
             run here, else the reason it cannot ("numba is not installed", "no CUDA device").
         library: the distribution whose version ``normlab info`` shows (``"numba"``).
         description: one line for ``normlab info``.
+        flushes_subnormals: ``True`` when the backend's platform flushes subnormal inputs or
+            results to zero (XLA on the CPU does): the contract's range then excludes subnormal
+            inputs for this backend, and the conformance suite skips its subnormal cases,
+            saying so.
     """
 
     name: str
@@ -126,6 +130,7 @@ class BackendRecord:
     check: Callable[[], str | None] | None = None
     library: str | None = None
     description: str = ""
+    flushes_subnormals: bool = False
 
 
 @hookspec

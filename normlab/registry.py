@@ -120,6 +120,10 @@ class Backend:
         return self.record.description
 
     @property
+    def flushes_subnormals(self) -> bool:
+        return self.record.flushes_subnormals
+
+    @property
     def available(self) -> bool:
         """Whether this backend can run here (checked once, lazily)."""
         return self.reason is None
@@ -381,6 +385,8 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(f"library must be a distribution name or None, got {record.library!r}")
     if not isinstance(record.priority, int):
         problems.append(f"priority must be an int, got {record.priority!r}")
+    if not isinstance(record.flushes_subnormals, bool):
+        problems.append(f"flushes_subnormals must be a bool, got {record.flushes_subnormals!r}")
     if not isinstance(record.module, str) or not _is_module_path(record.module):
         problems.append(
             f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"

@@ -337,9 +337,10 @@ def from_numpy(a: np.ndarray, like: Any = None) -> np.ndarray:
     return np.array(a, copy=True)
 
 
-def plugin(flaw: str) -> types.ModuleType:
+def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     """A plugin module providing the backend ``mutant_<flaw>``; the module is its own backend
-    module (``<this module>.<flaw>``, importable while :func:`registered`)."""
+    module (``<this module>.<flaw>``, importable while :func:`registered`). ``record_fields``
+    override the record's defaults (``flushes_subnormals=True``)."""
     module_name = f"{__name__}.{flaw}"
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
     if flaw in BACKWARD_FLAWS | {"control"}:
@@ -358,6 +359,7 @@ def plugin(flaw: str) -> types.ModuleType:
         # the library whose thread count the suite varies (bwd_thread_chunks follows it)
         library="numba" if flaw == "bwd_thread_chunks" else None,
         description=f"a mutant for the suite's teeth: {FLAWS[flaw]}",
+        **record_fields,
     )
 
     @normlab.hookimpl
@@ -379,9 +381,10 @@ def plugin(flaw: str) -> types.ModuleType:
 
 
 @contextmanager
-def registered(flaw: str) -> Iterator[str]:
-    """Register the plugin of ``flaw`` and yield its backend name; unregister on exit."""
-    module = plugin(flaw)
+def registered(flaw: str, **record_fields: Any) -> Iterator[str]:
+    """Register the plugin of ``flaw`` (its record given ``record_fields``) and yield its backend
+    name; unregister on exit."""
+    module = plugin(flaw, **record_fields)
     sys.modules[module.__name__] = module
     normlab.register_plugin(module)
     try:

@@ -8,17 +8,21 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+from plugins_for_tests import record
 
 import normlab
 from normlab import cli
 
 #: The folder that holds the normlab package under test, for child processes.
 PACKAGE_PARENT = Path(normlab.__file__).resolve().parent.parent
+
+Register = Callable[..., ModuleType]
 
 
 def _python_m_normlab(
@@ -99,6 +103,16 @@ def test_info_name_shows_all_one_backend_declares(
     assert ", ".join(sorted(numpy.ops)) in out
     assert ", ".join(sorted(numpy.capabilities)) in out
     assert f"numpy {numpy.version}" in out
+    assert "flushes subnormals │ no " in out
+
+
+def test_info_name_shows_a_declared_flush_to_zero(
+    wide: None, register: Register, capsys: pytest.CaptureFixture[str]
+) -> None:
+    register(record("fake_ftz", flushes_subnormals=True))
+    assert cli.main(["info", "fake_ftz"]) == 0
+    out = capsys.readouterr().out
+    assert "flushes subnormals │ yes — subnormal inputs are outside its contract" in out
 
 
 def test_info_name_suggests_a_close_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,11 +4,14 @@ match nothing."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import warnings
 from typing import Final
 
+import mutants
+import numpy as np
 import pytest
 
 import normlab.testing
@@ -16,6 +19,7 @@ from normlab import registry
 from normlab.backends import BUILTIN_RECORDS
 from normlab.errors import BackendError
 from normlab.testing import pytest_plugin
+from normlab.testing.tolerances import assert_close
 
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
 #: catch a failure: once one is fixed, test_backend_conforms asks to remove it. None today
@@ -67,6 +71,35 @@ def test_backend_conforms(name: str) -> None:
     assert code == pytest.ExitCode.OK, f"{len(outcomes.failed)} failed: {outcomes.failed[:20]}"
     fixed = [k for k in KNOWN_FAILURES.get(name, ()) if not any(k in t for t in outcomes.xfailed)]
     assert not fixed, f"known failures of {name!r} no longer fail; remove them: {fixed}"
+
+
+def test_declared_flushing_skips_the_subnormal_cases() -> None:
+    """A backend that flushes subnormals to zero and declares it (``flushes_subnormals``) passes,
+    its subnormal cases skipped with a reason naming the field; the rows near the dtype's max
+    still run. Undeclared, the same backend fails them (test_suite_teeth)."""
+    outcomes = Outcomes()
+    with mutants.registered("flush_subnormals", flushes_subnormals=True) as name:
+        code = normlab.testing.check(
+            name, extra_pytest_args=("-q", "-k", "test_magnitudes"), plugins=[outcomes]
+        )
+    assert code == pytest.ExitCode.OK, outcomes.failed
+    declared = [why for test, why in outcomes.skipped.items() if "-layer_norm-" in test]
+    assert len(declared) == 4  # the four dtypes' subnormal rows (the mutant has no rms_norm)
+    assert all("declares flushes_subnormals=True" in why for why in declared)
+    assert len(outcomes.passed) == 4 and all("-dtype_max]" in t for t in outcomes.passed)
+
+
+def test_a_declared_flush_may_zero_a_subnormal_result_only() -> None:
+    """With ``flushed`` (the record's flushes_subnormals) a statistic whose true value is
+    subnormal may be 0 (the rstd of a float32 row near the max is about 8e-39); a normal one
+    may not, and without the declaration neither may."""
+    subnormal, normal = np.array([8e-39]), np.array([2e-38])
+    close = functools.partial(assert_close, dtype="float32", conditioning=1.0, what="rstd", cols=64)
+    close(np.zeros(1), subnormal, scale=subnormal, flushed=True)
+    with pytest.raises(AssertionError, match="rstd"):
+        close(np.zeros(1), normal, scale=normal, flushed=True)
+    with pytest.raises(AssertionError, match="rstd"):
+        close(np.zeros(1), subnormal, scale=subnormal)
 
 
 def test_xfail_id_matching_nothing_warns() -> None:

@@ -118,10 +118,22 @@ def test_the_same_plugin_cannot_be_registered_twice(register: Register) -> None:
         (record("fake_bad", devices=frozenset({1})), "devices must be a frozenset of str"),  # type: ignore[arg-type]
         (record("fake_bad", ops=("layer_norm",)), "ops must be a frozenset"),  # type: ignore[arg-type]
         (record("fake_bad", priority="high"), "priority must be an int"),  # type: ignore[arg-type]
+        (record("fake_bad", flushes_subnormals="yes"), "flushes_subnormals must be a bool"),
         (record("fake bad"), "not an identifier"),
         (record("fake_bad", module=""), "module must be an import path"),
     ],
-    ids=["dict", "capability", "families", "dtypes", "devices", "ops", "priority", "name", "path"],
+    ids=[
+        "dict",
+        "capability",
+        "families",
+        "dtypes",
+        "devices",
+        "ops",
+        "priority",
+        "flushes_subnormals",
+        "name",
+        "path",
+    ],
 )
 def test_malformed_records_are_refused(register: Register, bad: Any, pattern: str) -> None:
     with pytest.raises(normlab.BackendError, match=pattern) as info:

@@ -181,6 +181,7 @@ class BackwardCase:
             if traced is not None:
                 references["torch.autograd (float64)"] = traced
         repro = self.snippet(backend)
+        flushed = registry.get(backend).flushes_subnormals
         f = self.forward
         cond = want.conditioning
         worst = float(cond.max(initial=1.0))
@@ -198,6 +199,7 @@ class BackwardCase:
                     cols=f.cols,
                     rows=0 if name == "x" else f.rows,
                     scale=want.scales[name],
+                    flushed=flushed,
                     repro=f"(against {label})\n{repro}",
                 )
 

@@ -307,6 +307,7 @@ class Case:
         The statistics are compared when ``rstd`` is given (and then ``mean`` for layer_norm)."""
         want_y, want_mean, want_rstd = self.expected()
         repro = self.snippet(backend)
+        flushed = registry.get(backend).flushes_subnormals
         x, weight, bias = self.numpy_inputs()
         cond = conditioning(want_mean, want_rstd)
         with np.errstate(invalid="ignore"):
@@ -329,6 +330,7 @@ class Case:
             what="y",
             cols=self.cols,
             scale=np.broadcast_to(scale, x.shape)[in_y],
+            flushed=flushed,
             repro=repro,
         )
         if rstd is None:
@@ -356,6 +358,7 @@ class Case:
                 what=name,
                 cols=self.cols,
                 scale=unit[in_stats],
+                flushed=flushed,
                 repro=repro,
             )
 

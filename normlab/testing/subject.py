@@ -34,6 +34,8 @@ class Subject:
     ops: frozenset[str]
     #: layout -> None when the family can make it, else the reason it cannot.
     layouts: dict[str, str | None]
+    #: the record declares that its platform flushes subnormals to zero
+    flushes_subnormals: bool = False
 
     @classmethod
     def of(cls, name: str) -> Subject:
@@ -61,6 +63,7 @@ class Subject:
             capabilities=frozenset(backend.capabilities),
             ops=frozenset(backend.ops),
             layouts={layout: _layout_problem(probe, layout, backend) for layout in LAYOUTS},
+            flushes_subnormals=backend.flushes_subnormals,
         )
 
     @property
@@ -99,6 +102,16 @@ class Subject:
             pytest.skip(
                 f"backend {self.name!r} does not claim {capability!r} (claims: "
                 f"{claimed}); {consequence}"
+            )
+
+    def require_values(self, values: str) -> None:
+        """Skip a case of ``values`` (a :data:`~normlab.testing.cases.VALUES` kind) that the
+        contract exempts this backend from: subnormal values where the record declares
+        ``flushes_subnormals``."""
+        if values == "subnormal" and self.flushes_subnormals:
+            pytest.skip(
+                f"backend {self.name!r} declares flushes_subnormals=True (its platform flushes "
+                "subnormals to zero): subnormal inputs are outside its contract"
             )
 
     def require_layout(self, layout: str) -> None:

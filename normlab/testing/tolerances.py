@@ -6,6 +6,9 @@ An element of ``y`` may differ from the reference by::
     + rounding * |y_ref|                                     one rounding to x's dtype at the end
     + floor                                                  half a subnormal step, at least
 
+(For a backend whose record declares ``flushes_subnormals`` the floor is the dtype's smallest
+normal number instead: a subnormal result may come back as zero.)
+
 where ``z = (x - mean) * rstd`` is the normalized value and ``conditioning = 1 + |mean| * rstd``
 is the row's condition number (``rstd = 1/sqrt(var + eps)``): a kernel works with ``x - mean``,
 whose rounding error grows with ``|mean|`` relative to the spread of the row. ``sqrt(cols)``
@@ -72,13 +75,15 @@ class Tolerance:
     compute: float  # per unit of (conditioning + sqrt(cols)); 8 roundoffs of the accumulation
     rounding: float  # unit roundoff of the result dtype: y is rounded once, at the end
     floor: float  # absolute: the smallest subnormal of the result dtype
+    normal: float  # the floor where subnormals flush to zero: the smallest normal number
 
 
 TOLERANCES: Final[dict[str, Tolerance]] = {
-    "float16": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-11, floor=2.0**-24),
-    "bfloat16": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-8, floor=2.0**-133),
-    "float32": Tolerance(compute=8 * 2.0**-24, rounding=2.0**-24, floor=2.0**-149),
-    "float64": Tolerance(compute=8 * 2.0**-53, rounding=2.0**-53, floor=2.0**-1074),
+    # dtype:             compute        rounding   floor       normal
+    "float16": Tolerance(8 * 2.0**-24, 2.0**-11, 2.0**-24, 2.0**-14),
+    "bfloat16": Tolerance(8 * 2.0**-24, 2.0**-8, 2.0**-133, 2.0**-126),
+    "float32": Tolerance(8 * 2.0**-24, 2.0**-24, 2.0**-149, 2.0**-126),
+    "float64": Tolerance(8 * 2.0**-53, 2.0**-53, 2.0**-1074, 2.0**-1022),
 }
 
 #: Statistics are float32 (float64 for float64 x): they are never rounded to a half type.
@@ -139,6 +144,7 @@ def allowed_error(
     cols: int,
     scale: Any = None,
     rows: int = 0,
+    flushed: bool = False,
 ) -> np.ndarray:
     """The largest error allowed per element (see the module docstring).
 
@@ -147,7 +153,9 @@ def allowed_error(
     ``scale`` is what the arithmetic error of an element is proportional to: :func:`y_scale`
     for ``y``, ``1/rstd`` for ``mean``, ``rstd`` for ``rstd``, :func:`gradient_scales` for the
     gradients; by default ``1 + |expected|``. ``rows``: the number of rows summed into each
-    element (dweight, dbias), which adds ``sqrt(rows)`` to the growth.
+    element (dweight, dbias), which adds ``sqrt(rows)`` to the growth. ``flushed``: the
+    backend flushes subnormals to zero (its record's ``flushes_subnormals``), so the absolute
+    floor is the smallest normal number.
     """
     expected64 = to_float64(expected)
     tol = TOLERANCES[_STATS_DTYPE.get(dtype, dtype) if what in _STATISTICS else dtype]
@@ -158,7 +166,7 @@ def allowed_error(
         allowed: np.ndarray = (
             compute * (to_float64(conditioning) + growth) * magnitude
             + tol.rounding * np.abs(expected64)
-            + tol.floor
+            + (tol.normal if flushed else tol.floor)
         )
     return allowed
 
@@ -173,6 +181,7 @@ def assert_close(
     cols: int,
     scale: Any = None,
     rows: int = 0,
+    flushed: bool = False,
     repro: str = "",
 ) -> None:
     """Assert ``actual`` (NumPy) is within :func:`allowed_error` of the float64 ``expected``.
@@ -185,7 +194,9 @@ def assert_close(
     if got.shape != want.shape:
         raise AssertionError(f"{what}: shape {got.shape}, expected {want.shape}\n{repro}")
     allowed = np.broadcast_to(
-        allowed_error(want, dtype, conditioning, what=what, cols=cols, scale=scale, rows=rows),
+        allowed_error(
+            want, dtype, conditioning, what=what, cols=cols, scale=scale, rows=rows, flushed=flushed
+        ),
         want.shape,
     )
     with np.errstate(invalid="ignore"):

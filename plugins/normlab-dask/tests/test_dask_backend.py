@@ -105,12 +105,7 @@ def test_conformance_suite() -> None:
     """``normlab check dask``, on Dask's threaded scheduler: the suite computes thousands of
     small graphs, each a round trip to a cluster (the tests below run on the cluster)."""
     with dask.config.set(scheduler="threads"):
-        assert testing.check("dask", extra_pytest_args=KNOWN_FAILURES) == 0
-
-
-#: Expected failures of ``normlab check dask`` (normlab issue #15, reliability): each chunk is
-#: normalized by numba or numpy, whose float32 squares of subnormal rows underflow.
-KNOWN_FAILURES = ("--normlab-xfail=-subnormal]",)
+        assert testing.check("dask") == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

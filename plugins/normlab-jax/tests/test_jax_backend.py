@@ -76,15 +76,10 @@ def test_unavailable_without_jax(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_conformance_suite() -> None:
     """``normlab check jax``, in x64 mode: float64 arrays exist only there, and the suite makes
-    each dtype the record lists (the other dtypes behave the same in either mode)."""
+    each dtype the record lists (the other dtypes behave the same in either mode). The record
+    declares ``flushes_subnormals``: the suite skips its subnormal rows, saying so."""
     with jax.enable_x64(True):
-        assert testing.check("jax", extra_pytest_args=KNOWN_FAILURES) == 0
-
-
-#: Expected failures of ``normlab check jax`` (normlab issue #15, reliability): float32 and
-#: bfloat16 rows of subnormal values (XLA on CPU flushes them to zero) and rows near the dtype's
-#: max (float32 sums of squares overflow) — the range docs/contract.md says binds every backend.
-KNOWN_FAILURES = ("--normlab-xfail=test_magnitudes[jax-",)
+        assert testing.check("jax") == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,6 +127,55 @@ def test_float16_sum_of_squares_does_not_overflow() -> None:
     y = np.asarray(normlab.layer_norm(jnp.asarray(x)))
     assert np.isfinite(y).all()
     np.testing.assert_allclose(y, np.sign(x.astype(np.float32)), rtol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("magnitude", "eps"),
+    [(1e-25, 0.0), (1e-30, 1e-5), (1e30, 1e-5), (1e36, 0.0)],
+    ids=["squares_underflow", "eps_dwarfs_the_row", "squares_overflow", "rstd_near_1e-36"],
+)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rows_anywhere_in_the_normal_range(op: str, magnitude: float, eps: float) -> None:
+    """float32 rows far from 1 are normalized as rows near 1 are (each row is scaled by a power
+    of two first); a constant row among them gives exactly bias (LayerNorm, eps > 0)."""
+    rng = np.random.default_rng(4)
+    x = (magnitude * rng.uniform(0.5, 2.5, (6, 300)) * np.resize([1, -1, 1], 300)).astype(
+        np.float32
+    )
+    if op == "rms_norm":
+        y, rstd = normlab.rms_norm(jnp.asarray(x), eps=eps, return_stats=True)
+        want_y, want_rstd = reference.rms_norm(x, eps=eps)
+        ones = np.ones_like(want_rstd)
+        assert_close(np.asarray(y), want_y, "float32", ones, what="y", cols=300)
+        assert_close(np.asarray(rstd), want_rstd, "float32", ones, what="rstd", cols=300)
+        return
+    if eps > 0:
+        x[5] = x[5, 0]  # constant
+    bias = np.linspace(-1, 1, 300, dtype=np.float32)
+    result = normlab.layer_norm(jnp.asarray(x), bias=jnp.asarray(bias), eps=eps, return_stats=True)
+    _assert_layer_norm(result, x, None, bias, {"eps": eps})
+    if eps > 0:
+        np.testing.assert_array_equal(np.asarray(result[0])[5], bias)
+
+
+def test_record_declares_the_flushing_it_gets() -> None:
+    """``flushes_subnormals=True`` is true here: jitted XLA code on the CPU flushes a subnormal
+    input, and a subnormal result, to zero. When a jaxlib stops flushing, drop the declaration."""
+    assert normlab_jax.RECORD.flushes_subnormals
+    cpu = jax.devices("cpu")[0]
+    subnormal = jax.device_put(np.float32(2.0**-140), cpu)
+    normal = jax.device_put(np.float32(2.0**-40), cpu)
+    assert float(jax.jit(lambda a: a * 2)(subnormal)) == 0.0
+    assert float(jax.jit(lambda a: a * 2.0**-100)(normal)) == 0.0
+
+
+def test_float16_subnormal_rows() -> None:
+    """float16 subnormals are normal numbers in float32, where the kernels compute: the rows the
+    suite skips for a flushing backend are exact for float16."""
+    x = (np.random.default_rng(8).standard_normal((4, 64)) * 2.0**-16).astype(np.float16)
+    assert (np.abs(x) < np.finfo(np.float16).smallest_normal).mean() > 0.9
+    result = normlab.layer_norm(jnp.asarray(x), eps=0.0, return_stats=True)
+    _assert_layer_norm(result, x, None, None, {"eps": 0.0})
 
 
 def test_result_stays_on_the_device_of_x() -> None:

@@ -1,20 +1,21 @@
 """The ``example`` backend's functions: ``layer_norm`` and the two NumPy converters.
 
 normlab hands ``layer_norm`` a validated plan and ``x`` as C-contiguous 2-D rows (the record
-claims no capabilities, so normlab copies any other layout and writes ``out`` itself)::
+claims no capabilities, so normlab copies any other layout and writes ``out`` itself). Each row
+is first divided by a power of two ``s`` (exact), its largest magnitude / s in [1, 2)::
 
-    s    = 2^k <= max |x| < 2^(k+1)       per row: dividing by s is exact
-    u    = x / s                          values in (-2, 2)
-    u0   = u[:, 0]                        the row's first element
-    d    = mean(u - u0)                   mean = (u0 + d) * s
-    v    = mean((u - u0 - d)^2)           population variance of u (var = v * s^2)
-    rstd = 1 / sqrt(v * s^2 + eps)        computed as (1 / sqrt(v + eps / s^2)) / s
-    y    = (u - u0 - d) * (s * rstd) * weight + bias
+    xs   = x / s
+    x0   = xs[:, 0]                       the row's first element
+    d    = mean(xs - x0)                  mean = (x0 + d) * s
+    v    = mean((xs - x0 - d)^2)          population variance / s^2
+    rstd = 1 / sqrt(v + eps / s^2) / s
+    y    = (xs - x0 - d) * rstd * s * weight + bias
 
-Everything is computed in float64 and rounded to x's dtype once at the end. Scaling each row
-by a power of two keeps its squares from overflowing or underflowing anywhere in the dtype's
-finite range, float64 included (which binds every backend, see normlab's docs/contract.md).
-The statistics are returned in ``plan.stats_dtype``.
+Everything is computed in float64 and rounded to x's dtype once at the end; with the scaling,
+no sum or square overflows or underflows anywhere in x's finite range (which binds every
+backend, see normlab's docs/contract.md). Constant rows (v exactly 0) and rows so tiny that
+``eps / s^2`` overflows take ``rstd = 1 / sqrt(eps)`` directly. The statistics are returned in
+``plan.stats_dtype``.
 """
 
 from __future__ import annotations
@@ -38,20 +39,19 @@ def layer_norm(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Normalize each row of the 2-D ``x``; returns ``(y, mean, rstd)``."""
     compute = np.dtype(np.float64)
-    x64 = x.astype(compute)  # a fresh copy: x is never modified
-    scale = _power_of_two_scale(x64)
-    centred = x64 / scale
-    u0 = centred[:, :1].copy()
-    centred -= u0
+    s = _power_of_two(x)
+    centred = x.astype(compute) / s  # a fresh copy: x is never modified
+    x0 = centred[:, :1].copy()
+    centred -= x0
     shift = centred.mean(axis=1, keepdims=True)
     centred -= shift
-    var = np.mean(centred * centred, axis=1, keepdims=True)
-    with np.errstate(over="ignore", divide="ignore"):
-        scaled_eps = plan.eps / scale / scale  # inf where eps dwarfs a row of tiny values
-        factor = np.where(  # s * rstd; where eps / s^2 overflows, v * s^2 is nothing beside eps
-            np.isfinite(scaled_eps), 1 / np.sqrt(var + scaled_eps), scale / np.sqrt(plan.eps)
-        )
-    y = centred * factor
+    v = np.mean(centred * centred, axis=1, keepdims=True)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        eps_scaled = plan.eps / s / s  # inf: the row is so tiny that eps dwarfs its variance
+        direct = (v == 0) | np.isinf(eps_scaled)  # rstd = 1 / sqrt(eps)
+        factor = 1 / np.sqrt(v + np.where(direct, 0.0, eps_scaled))  # rstd * s
+        rstd = np.where(direct, 1 / np.sqrt(compute.type(plan.eps)), factor / s)
+        y = np.where(direct, centred * s * rstd, centred * factor)
     if weight is not None:
         y *= weight.astype(compute)
     if bias is not None:
@@ -59,16 +59,16 @@ def layer_norm(
     if not plan.return_stats:
         return y.astype(x.dtype), None, None
     stats = np.dtype(plan.stats_dtype)
-    mean, rstd = (u0 + shift) * scale, factor / scale
-    return y.astype(x.dtype), mean[:, 0].astype(stats), rstd[:, 0].astype(stats)
+    return y.astype(x.dtype), ((x0 + shift) * s)[:, 0].astype(stats), rstd[:, 0].astype(stats)
 
 
-def _power_of_two_scale(x: np.ndarray) -> np.ndarray:
-    """Per row of the float64 ``x``, the power of two ``s <= max |x| < 2 s`` (1 for a row of
-    zeros or with a NaN or Inf), as a column."""
-    largest = np.max(np.abs(x), axis=1, keepdims=True)
-    usable = np.isfinite(largest) & (largest > 0)
-    return np.ldexp(1.0, np.frexp(np.where(usable, largest, 1.0))[1] - 1)
+def _power_of_two(x: np.ndarray) -> np.ndarray:
+    """Per row of ``x``, keepdims: the power of two with the row's largest magnitude divided by
+    it in [1, 2); 1 for a row of zeros or one holding NaN or Inf."""
+    largest = np.max(np.abs(x.astype(np.float64)), axis=1, keepdims=True)
+    _, exponent = np.frexp(np.where(np.isfinite(largest) & (largest > 0), largest, 1.0))
+    s: np.ndarray = np.ldexp(1.0, exponent - 1)
+    return s
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:

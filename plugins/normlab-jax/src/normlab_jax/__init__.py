@@ -34,6 +34,9 @@ RECORD: Final = normlab.BackendRecord(
     # JAX arrays are immutable and have no strides: no "out", "inplace", "strided".
     capabilities=frozenset(),
     check=_check,
+    # XLA on the CPU flushes subnormal inputs and results to zero, and no flag turns that off
+    # (normlab_jax.backend says more); a record speaks for every device its backend serves.
+    flushes_subnormals=True,
     library="jax",
     description="jax.jit-compiled XLA kernels on the array's device (CPU or GPU)",
 )

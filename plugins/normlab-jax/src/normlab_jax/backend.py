@@ -1,16 +1,27 @@
 """The JAX kernels: one ``jax.jit``-compiled function per static configuration.
 
-Each row of the 2-D ``(plan.rows, plan.cols)`` input is normalized independently::
+Each row of the 2-D ``(plan.rows, plan.cols)`` input is normalized independently, on the
+row divided by a power of two ``s`` (:func:`row_scale`: its largest magnitude / s in [1, 2)),
+so that no sum or square overflows, whatever the row's magnitude::
 
-    x0   = x[:, :1]                  the row's first element
-    d    = mean(x - x0)              mean = x0 + d  (shifted two-pass: no E[x²] - E[x]²)
-    var  = mean((x - x0 - d)^2)      population variance
-    rstd = rsqrt(var + eps)
-    y    = (x - x0 - d) * rstd * weight + bias
+    xs   = x / s                     exact: a power of two
+    x0   = xs[:, :1]                 the row's first element
+    d    = mean(xs - x0)             mean = (x0 + d) * s  (shifted two-pass: no E[x²] - E[x]²)
+    v    = mean((xs - x0 - d)^2)     population variance / s^2
+    rstd = rsqrt(v + eps / s^2) / s
+    y    = (xs - x0 - d) * rsqrt(v + eps / s^2) * weight + bias
 
-RMSNorm skips the centring: ``rstd = rsqrt(mean(x^2) + eps)``, ``y = x * rstd * weight``.
+RMSNorm skips the centring: ``v = mean(xs^2)``, ``y = xs * rsqrt(v + eps / s^2) * weight``.
+Two kinds of row take ``rstd = rsqrt(eps)`` directly (:func:`_factors`): a constant row
+(``v`` exactly 0: its ``y`` is exactly ``bias`` when eps > 0, NaN when eps = 0), and a row so
+tiny that ``eps / s^2`` overflows (eps dwarfs its variance).
 Everything is computed in float32 (float64 for float64 ``x``); float16/bfloat16 results are
 rounded to x's dtype once, at the end. Statistics are float32, or float64 for float64 ``x``.
+
+XLA on the CPU flushes subnormal inputs and results to zero, whatever its flags
+(``--xla_cpu_ftz=false`` and ``--xla_cpu_enable_fast_math=false`` leave the processor's
+flush-to-zero mode on); the record therefore declares ``flushes_subnormals``. Scaling keeps
+every row of normal values accurate, rows near the dtype's max included.
 
 Row sums are pairwise trees of element-wise adds (:func:`row_mean`), not ``jnp.sum``: XLA picks
 a reduction order by the shape of the whole batch, so a row's ``jnp.sum`` changes in its last
@@ -40,13 +51,15 @@ import numpy as np
 if TYPE_CHECKING:
     from normlab.spec import Plan
 
-__all__ = ["from_numpy", "kernel", "layer_norm", "rms_norm", "row_mean", "to_numpy"]
+__all__ = ["from_numpy", "kernel", "layer_norm", "rms_norm", "row_mean", "row_scale", "to_numpy"]
 
 Result: TypeAlias = tuple[jax.Array, jax.Array | None, jax.Array | None]
 Kernel: TypeAlias = Callable[..., Result]
 
 #: Compiled configurations kept; a process rarely uses more than a handful.
 _KERNELS: Final = 256
+#: Per compute dtype: the integer type of its bits, its mantissa bits, its exponent bias.
+_BITS: Final = {"float32": (jnp.int32, 23, 127), "float64": (jnp.int64, 52, 1023)}
 
 
 @functools.lru_cache(maxsize=_KERNELS)
@@ -64,14 +77,16 @@ def kernel(op: str, has_weight: bool, has_bias: bool, return_stats: bool, eps: f
         weight = next(given) if has_weight else None
         bias = next(given) if has_bias else None
         xc = x.astype(compute)
+        s, inv = row_scale(xc)
+        xs = xc * inv
         mean = None
         if centre:
-            x0 = xc[:, :1]
-            d = row_mean(xc - x0)
-            xc = xc - x0 - d
-            mean = x0 + d
-        rstd = jax.lax.rsqrt(row_mean(xc * xc) + jnp.asarray(eps, compute))
-        y = xc * rstd
+            x0 = xs[:, :1]
+            d = row_mean(xs - x0)
+            xs = xs - x0 - d
+            mean = (x0 + d) * s
+        factor, rstd = _factors(row_mean(xs * xs), jnp.asarray(eps, compute), s, inv)
+        y = xs * factor
         if weight is not None:
             y = y * weight.astype(compute)
         if bias is not None:
@@ -81,6 +96,39 @@ def kernel(op: str, has_weight: bool, has_bias: bool, return_stats: bool, eps: f
         return y.astype(x.dtype), None if mean is None else mean[:, 0], rstd[:, 0]
 
     return jax.jit(normalize)
+
+
+def row_scale(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, 1/s)`` per row of the 2-D float32 or float64 ``x``, keepdims: the power of two
+    ``s = 2^k`` with the row's largest magnitude / s in [1, 2), k clamped to the dtype's normal
+    exponents (so that s and 1/s are normal numbers); s = 1 for a row of zeros.
+
+    k is read from the bits of the largest magnitude, and s built from bits: exact, and cheap
+    (one max per row)."""
+    ints, mantissa, bias = _BITS[x.dtype.name]
+    largest = jax.lax.bitcast_convert_type(jnp.max(jnp.abs(x), axis=1, keepdims=True), ints)
+    k = jnp.clip((largest >> mantissa) - bias, 1 - bias, bias - 1)  # Inf/NaN: the top clamp
+    k = jnp.where(largest == 0, 0, k)
+
+    def power_of_two(e: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type((e + bias) << mantissa, x.dtype)
+
+    return power_of_two(k), power_of_two(-k)
+
+
+def _factors(
+    v: jax.Array, eps: jax.Array, s: jax.Array, inv: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """``(factor, rstd)`` per row, from ``v`` (the variance of the row divided by ``s``) and eps:
+    ``y = (x - mean) / s * factor``; ``rstd = 1 / sqrt(v * s^2 + eps)``, the row's own."""
+    eps_scaled = eps * inv * inv
+    dwarfed = ~jnp.isfinite(eps_scaled)  # the row is so tiny that eps / s^2 overflows
+    flat = v == 0  # a constant row: variance exactly 0, rstd = 1/sqrt(eps)
+    rstd_eps = jax.lax.rsqrt(eps)
+    scaled = jax.lax.rsqrt(v + jnp.where(dwarfed, 0, eps_scaled))
+    factor = jnp.where(flat, rstd_eps, jnp.where(dwarfed, s * rstd_eps, scaled))
+    rstd = jnp.where(flat | dwarfed, rstd_eps, scaled * inv)
+    return factor, rstd
 
 
 def row_mean(a: jax.Array) -> jax.Array:
