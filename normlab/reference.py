@@ -106,10 +106,11 @@ def _scale(rows: np.ndarray) -> np.ndarray:
 
 def _rstd(mean_square: np.ndarray, eps: float, s: np.ndarray) -> np.ndarray:
     """``rstd * s`` for rows scaled by ``s``: ``1 / sqrt(mean_square + eps / s^2)``; where
-    ``eps / s^2`` overflows, eps dwarfs the variance: ``s / sqrt(eps)``."""
+    ``eps / s^2`` overflows, eps dwarfs the variance, and where it underflows beside a zero
+    variance (a constant row of huge values), eps alone counts: ``s / sqrt(eps)`` for both."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         scaled_eps = eps / s / s
-        finite = np.isfinite(scaled_eps)
+        finite = np.isfinite(scaled_eps) & ((mean_square + scaled_eps > 0) | (eps == 0))
         wide = s / np.sqrt(eps) if eps > 0 else s
         rstd: np.ndarray = np.where(
             finite, 1.0 / np.sqrt(mean_square + np.where(finite, scaled_eps, 0.0)), wide

@@ -117,3 +117,14 @@ def test_constant_rows_with_eps_zero_are_nan(backend: str, dtype: Any) -> None:
     assert np.isfinite(y[1]).all()
     expected, _, _ = reference.layer_norm(x[:1], eps=0.0)
     assert np.isnan(expected).all()
+
+
+@pytest.mark.parametrize("value", [1e300, -1.7e308, 1e-300, 5e-324])
+def test_reference_constant_rows_give_bias_anywhere_in_float64(value: float) -> None:
+    """eps / s^2 underflows beside the zero variance of a constant row of huge values: eps
+    alone counts, y is exactly bias and rstd 1/sqrt(eps) (it was NaN, 0 * inf)."""
+    x = np.full((1, 16), value)
+    bias = np.linspace(-1.0, 1.0, 16)
+    y, mean, rstd = reference.layer_norm(x, bias=bias, eps=1e-5)
+    np.testing.assert_array_equal(y[0], bias)
+    assert mean[0, 0] == value and rstd[0, 0] == pytest.approx(1 / np.sqrt(1e-5))
