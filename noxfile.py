@@ -94,7 +94,7 @@ def docs(session: nox.Session) -> None:
     """Build the site strictly (its generated examples run), then test every code example."""
     _isolate(session)
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2.0
-    session.install(".[docs,numba]", "pytest", RUFF)  # ruff formats the API signatures
+    session.install(".[docs,numba,test]", RUFF)  # test: the tests' own needs; ruff: signatures
     site = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
     session.env["NORMLAB_SITE_DIR"] = str(site)  # test_docs scans the built HTML
