@@ -20,7 +20,7 @@ import normlab
 torch = pytest.importorskip("torch")
 from normlab.backends import torch_backend  # noqa: E402  (after torch's importorskip)
 
-ONE_PASS = 1 << 62  # ROW_BLOCK_ELEMENTS that makes any batch a single block
+ONE_PASS = 1 << 62  # ONE_BLOCK_ELEMENTS that makes any batch a single block
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 NEEDS = [("x", "weight", "bias"), ("x",), ("weight", "bias")]
 SHAPES = [(1, 9), (31, 9), (33, 40000), (65, 24), (97, 130), (200, 64)]
@@ -75,9 +75,10 @@ def test_blocks_of_rows_give_the_bits_of_one_pass(
     last chunk, a last block of one row (33, 65, 97 rows) and a single row."""
     for rows, cols in SHAPES:
         for needs in NEEDS if cols < 1000 else NEEDS[:1]:
-            monkeypatch.setattr(torch_backend, "ROW_BLOCK_ELEMENTS", ONE_PASS)
+            monkeypatch.setattr(torch_backend, "ONE_BLOCK_ELEMENTS", ONE_PASS)
             assert len(torch_backend._row_blocks(rows, cols)) == 2
             one_pass = _gradients(op, dtype, rows, cols, needs)
+            monkeypatch.setattr(torch_backend, "ONE_BLOCK_ELEMENTS", 0)
             monkeypatch.setattr(torch_backend, "ROW_BLOCK_ELEMENTS", 1)
             bounds = torch_backend._row_blocks(rows, cols)
             sizes = [stop - start for start, stop in itertools.pairwise(bounds)]

@@ -61,6 +61,9 @@ _MACHINE_EPS: Final = {"float32": 2.0**-23, "float64": 2.0**-52}
 #: Elements per block of rows in the CPU backward (whole chunks of ROW_CHUNK rows, at least
 #: one): each of its full-size temporaries holds about this many, never the whole batch.
 ROW_BLOCK_ELEMENTS = 1 << 18
+#: A CPU backward of at most this many elements is one block: its temporaries are small, and
+#: more blocks mean more torch operations, each a parallel region (slow on a busy machine).
+ONE_BLOCK_ELEMENTS = 1 << 20
 
 
 def layer_norm(
@@ -341,10 +344,13 @@ def _backward(
 
 
 def _row_blocks(rows: int, cols: int) -> list[int]:
-    """The bounds of the blocks of rows of the CPU backward: whole chunks of ROW_CHUNK rows,
-    about ROW_BLOCK_ELEMENTS elements (at least one chunk). A last block of a single row joins
+    """The bounds of the blocks of rows of the CPU backward: one block up to
+    ONE_BLOCK_ELEMENTS, else whole chunks of ROW_CHUNK rows, about ROW_BLOCK_ELEMENTS elements
+    (at least one chunk). A last block of a single row joins
     the block before it: torch reduces a lone row with a thread-count-dependent split, which
     one pass over the whole batch would not do."""
+    if rows * cols <= ONE_BLOCK_ELEMENTS:
+        return [0, rows]
     per_block = max(ROW_CHUNK, ROW_BLOCK_ELEMENTS // max(cols, 1) // ROW_CHUNK * ROW_CHUNK)
     bounds = [*range(0, rows, per_block), rows]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
