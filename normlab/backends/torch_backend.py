@@ -26,6 +26,7 @@ device returns them in a half type (rstd with eps added in float64).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Final
 
@@ -57,6 +58,12 @@ _SCALE_LIMIT: Final = 1000
 #: The smallest normal number of each compute dtype: a variance below it has lost precision.
 _TINY: Final = {"float32": _FLOAT32_TINY, "float64": float(np.finfo(np.float64).tiny)}
 _MACHINE_EPS: Final = {"float32": 2.0**-23, "float64": 2.0**-52}
+#: Elements per block of rows in the CPU backward (whole chunks of ROW_CHUNK rows, at least
+#: one): each of its full-size temporaries holds about this many, never the whole batch.
+ROW_BLOCK_ELEMENTS = 1 << 18
+#: A CPU backward of at most this many elements is one block: its temporaries are small, and
+#: more blocks mean more torch operations, each a parallel region (slow on a busy machine).
+ONE_BLOCK_ELEMENTS = 1 << 20
 
 
 def layer_norm(
@@ -252,7 +259,8 @@ def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
 # again, on CPU and CUDA. Column sums are bitwise repeatable: fixed chunks of ROW_CHUNK rows
 # (each chunk's sum is one output of a torch reduction, computed by one thread), then a pairwise
 # tree of elementwise float64 additions over the chunks; nothing depends on the thread count.
-# On CPU this is the portable path, not the fast one (numba is): every operation allocates.
+# On CPU this is the portable path, not the fast one (numba is): every operation allocates, a
+# block of rows at a time (temporaries of ROW_BLOCK_ELEMENTS elements, not of the batch).
 
 
 def layer_norm_backward(
@@ -293,14 +301,80 @@ def _backward(
     plan: Plan,
     needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Both backward ops (``mean`` None: RMSNorm), with ``d = x - mean`` and its residual
-    ``res = mean(d)`` (the rounding of a float32 mean), so that ``x̂ = (d - res) * r``::
+    """Both backward ops (``mean`` None: RMSNorm). On CPU the rows go through
+    :func:`_backward_rows` a block at a time (see :func:`_row_blocks`), so that its full-size
+    temporaries are block-sized; dx is written into one output, and the chunk sums of all
+    blocks are added by :func:`_pairwise_sum`. Every row and every chunk of ROW_CHUNK rows is
+    computed by the same torch operations as in one pass over the whole batch: the results are
+    bitwise those of one pass. On CUDA the whole batch is one pass (torch's CUDA reductions
+    choose their launch shape from the number of rows)."""
+    compute = _TORCH_DTYPES[plan.compute_dtype]
+    rows, cols = x.shape
+    bounds = _row_blocks(rows, cols) if x.device.type == "cpu" else [0, rows]
+    if len(bounds) == 2:
+        dx, weight_sums, bias_sums = _backward_rows(dy, x, mean, rstd, weight, compute, needs)
+    else:
+        # the outputs are allocated before any block's temporaries: nothing long-lived lies
+        # between those, which would keep the allocator from reusing their memory
+        chunks = -(-rows // ROW_CHUNK)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if "x" in needs else None
+        weight_sums = x.new_empty((chunks, cols), dtype=compute) if "weight" in needs else None
+        bias_sums = x.new_empty((chunks, cols), dtype=compute) if "bias" in needs else None
+        for start, stop in itertools.pairwise(bounds):
+            block = slice(start, stop)
+            dx_rows, weight_rows, bias_rows = _backward_rows(
+                dy[block],
+                x[block],
+                None if mean is None else mean[block],
+                rstd[block],
+                weight,
+                compute,
+                needs,
+            )
+            first, end = start // ROW_CHUNK, -(-stop // ROW_CHUNK)  # the block's chunks
+            if dx is not None and dx_rows is not None:
+                dx[block].copy_(dx_rows)
+            if weight_sums is not None and weight_rows is not None:
+                weight_sums[first:end].copy_(weight_rows)
+            if bias_sums is not None and bias_rows is not None:
+                bias_sums[first:end].copy_(bias_rows)
+    dweight = None if weight_sums is None else _pairwise_sum(weight_sums)
+    dbias = None if bias_sums is None else _pairwise_sum(bias_sums)
+    return dx, dweight, dbias
+
+
+def _row_blocks(rows: int, cols: int) -> list[int]:
+    """The bounds of the blocks of rows of the CPU backward: one block up to
+    ONE_BLOCK_ELEMENTS, else whole chunks of ROW_CHUNK rows, about ROW_BLOCK_ELEMENTS elements
+    (at least one chunk). A last block of a single row joins
+    the block before it: torch reduces a lone row with a thread-count-dependent split, which
+    one pass over the whole batch would not do."""
+    if rows * cols <= ONE_BLOCK_ELEMENTS:
+        return [0, rows]
+    per_block = max(ROW_CHUNK, ROW_BLOCK_ELEMENTS // max(cols, 1) // ROW_CHUNK * ROW_CHUNK)
+    bounds = [*range(0, rows, per_block), rows]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return bounds
+
+
+def _backward_rows(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    compute: torch.dtype,
+    needs: frozenset[str],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """dx (in x's dtype) and the :func:`_chunk_sums` of dweight's and dbias's terms (in the
+    compute dtype) of some rows (the first a chunk's first), with ``d = x - mean`` and its
+    residual ``res = mean(d)`` (the rounding of a float32 mean), so that ``x̂ = (d - res) * r``::
 
         mean(g * x̂) = r * (mean(g * d) - res * mean(g))
         dx = r * g + b * d + c     b = -r^2 * mean(g * x̂),  c = -b * res - r * mean(g)
 
     (RMSNorm: ``d = x``, ``res = 0``, no ``mean(g)``): two full-size passes for dx."""
-    compute = _TORCH_DTYPES[plan.compute_dtype]
     r = rstd.to(compute)[:, None]
     d = x.to(compute)
     res = None
@@ -320,27 +394,33 @@ def _backward(
             b = -r * r * (r * (mean_gd - res * mean_g))
             dx = torch.addcmul(torch.addcmul(-b * res - r * mean_g, b, d), r, g)
         dx = dx.to(x.dtype)
-    dweight = dbias = None
+    weight_sums = bias_sums = None
     if "weight" in needs:
         xhat = d * r if res is None else torch.addcmul(-res * r, d, r)
-        dweight = _column_sum(dyc * xhat)
+        weight_sums = _chunk_sums(dyc * xhat)
     if "bias" in needs:
-        dbias = _column_sum(dyc)
-    return dx, dweight, dbias
+        bias_sums = _chunk_sums(dyc)
+    return dx, weight_sums, bias_sums
 
 
-def _column_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum of the rows of the 2-D ``t``, in ``t``'s dtype: sums of chunks of ROW_CHUNK rows,
-    then pairwise in float64 over the chunks (the first half added to the second half, an odd
-    middle chunk carried along, until one is left)."""
+def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
+    """The sums of the chunks of ROW_CHUNK rows of the 2-D ``t`` (a last chunk may be short),
+    one row each, in ``t``'s dtype: each sum is one output of a torch reduction, computed by
+    one thread."""
     rows, cols = t.shape
     whole = rows - rows % ROW_CHUNK
     parts = [t[:whole].reshape(-1, ROW_CHUNK, cols).sum(dim=1)]
     if whole < rows:
         parts.append(t[whole:].sum(dim=0, keepdim=True))
-    total = torch.cat(parts).to(torch.float64)
+    return torch.cat(parts)
+
+
+def _pairwise_sum(sums: torch.Tensor) -> torch.Tensor:
+    """The sum of the rows of ``sums`` (the chunk sums), in its dtype: pairwise in float64 (the
+    first half added to the second half, an odd middle row carried along, until one is left)."""
+    total = sums.to(torch.float64)
     while total.shape[0] > 1:
         n, half = total.shape[0], total.shape[0] // 2
         head = total[:half] + total[n - half :]
         total = torch.cat((head, total[half : n - half])) if n % 2 else head
-    return total[0].to(t.dtype)
+    return total[0].to(sums.dtype)
