@@ -640,7 +640,7 @@ def _extent(layout: arrays.Memory) -> tuple[int, int]:
     return low, high + itemsize
 
 
-class _Extent:
+class _AddressOnly:
     """An object NumPy reads as an array at a raw address (``__array_interface__``): NumPy's
     overlap solver sees the address, shape and strides; the memory itself is never read."""
 
@@ -661,7 +661,7 @@ def _memory_view(layout: arrays.Memory) -> Any:
         "data": (address, True),
         "strides": strides,
     }
-    return _numpy().asarray(_Extent(interface))
+    return _numpy().asarray(_AddressOnly(interface))
 
 
 def _numpy() -> Any:

@@ -128,3 +128,14 @@ def test_reference_constant_rows_give_bias_anywhere_in_float64(value: float) -> 
     y, mean, rstd = reference.layer_norm(x, bias=bias, eps=1e-5)
     np.testing.assert_array_equal(y[0], bias)
     assert mean[0, 0] == value and rstd[0, 0] == pytest.approx(1 / np.sqrt(1e-5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [1e300, -1.7e308])
+def test_constant_rows_of_huge_values_give_bias_and_rstd(backend: str, value: float) -> None:
+    """eps / s^2 underflows beside the zero variance: eps alone counts, y is bias and rstd is
+    1/sqrt(eps) (the torch repair path returned rstd = inf)."""
+    x = np.full((2, 16), value)
+    y, rstd = _call("layer_norm", x, backend, 1e-5)
+    np.testing.assert_array_equal(y, 0.0)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(1e-5), rtol=1e-12)

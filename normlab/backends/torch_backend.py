@@ -210,7 +210,6 @@ def _wide_rows(
         k = torch.where(largest > 0, exponent - 1, 0).clamp(-_SCALE_LIMIT, _SCALE_LIMIT)
         s = torch.ldexp(torch.ones_like(largest), k)
         scaled_eps = eps / s / s
-        finite_eps = scaled_eps.isfinite()  # else eps dwarfs the variance of a tiny row
     xs = x64 / s
     mean = torch.zeros_like(s)
     if centre:
@@ -218,6 +217,10 @@ def _wide_rows(
         mean = x0 + (xs - x0).mean(dim=1, keepdim=True)
     d = xs - mean
     square = (d * d).mean(dim=1, keepdim=True)
+    with torch.no_grad():
+        # eps alone counts where eps / s^2 overflows (eps dwarfs a tiny row's variance) or
+        # underflows beside a zero variance (a constant row of huge values)
+        finite_eps = scaled_eps.isfinite() & ((square + scaled_eps > 0) | (eps == 0))
     rstd = torch.where(
         finite_eps,
         torch.rsqrt(square + torch.where(finite_eps, scaled_eps, 0.0)),
