@@ -110,7 +110,7 @@ def _rstd(mean_square: np.ndarray, eps: float, s: np.ndarray) -> np.ndarray:
     variance (a constant row of huge values), eps alone counts: ``s / sqrt(eps)`` for both."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         scaled_eps = eps / s / s
-        finite = np.isfinite(scaled_eps) & ((mean_square + scaled_eps > 0) | (eps == 0))
+        finite = np.isfinite(scaled_eps) & ~((mean_square + scaled_eps == 0) & (eps > 0))
         wide = s / np.sqrt(eps) if eps > 0 else s
         rstd: np.ndarray = np.where(
             finite, 1.0 / np.sqrt(mean_square + np.where(finite, scaled_eps, 0.0)), wide

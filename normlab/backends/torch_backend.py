@@ -220,7 +220,7 @@ def _wide_rows(
     with torch.no_grad():
         # eps alone counts where eps / s^2 overflows (eps dwarfs a tiny row's variance) or
         # underflows beside a zero variance (a constant row of huge values)
-        finite_eps = scaled_eps.isfinite() & ((square + scaled_eps > 0) | (eps == 0))
+        finite_eps = scaled_eps.isfinite() & ~((square + scaled_eps == 0) & (eps > 0))
     rstd = torch.where(
         finite_eps,
         torch.rsqrt(square + torch.where(finite_eps, scaled_eps, 0.0)),
