@@ -40,16 +40,13 @@ from normlab import arrays, dispatch, layout, spec
 from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
 from normlab.spec import Plan
 
-__all__ = ["GRADIENTS", "ROW_CHUNK", "BackwardPlan", "clear_cache", "gradients", "plan", "run"]
+__all__ = ["BackwardPlan", "clear_cache", "gradients", "plan", "run"]
 
 #: The gradients each backward op can return, in the order it returns them.
 GRADIENTS: Final = {
     "layer_norm_backward": ("x", "weight", "bias"),
     "rms_norm_backward": ("x", "weight"),
 }
-#: Rows per partial sum of dweight/dbias in the CPU kernels (a fixed size: never the number of
-#: threads). Partial sums are added in float64, chunk after chunk.
-ROW_CHUNK: Final = 32
 _PLAN_CACHE_SIZE: Final = 1024
 
 

@@ -26,9 +26,9 @@ from rich.text import Text
 
 import normlab
 from normlab import arrays, dispatch, reference, registry
+from normlab.constants import FLOAT_DTYPES
 from normlab.errors import BackendError, NormlabWarning
 from normlab.registry import Backend
-from normlab.spec import FLOAT_DTYPES
 
 __all__ = ["main"]
 

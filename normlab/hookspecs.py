@@ -38,8 +38,8 @@ The rest of a Plan is the core's routing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import pluggy
 
@@ -48,6 +48,7 @@ __all__ = [
     "PLAN_FIELDS",
     "PROJECT",
     "BackendRecord",
+    "Plan",
     "hookimpl",
     "hookspec",
     "normlab_backends",
@@ -67,6 +68,66 @@ CAPABILITIES: Final = frozenset(
         "autograd",  # serves arrays that require grad and keeps the graph
     }
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated normalization call, independent of any backend.
+
+    The normalized axes (``axes``) are reduced; the other axes (``batch_axes``) index rows.
+    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array is viewed with
+    the batch axes first and the normalized axes last (``permutation``, ``None`` when that is
+    already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
+    strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
+    needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
+    ``non_native`` names the input arrays in non-native byte order (see :func:`non_native`):
+    the core hands the backend native copies of them, so a backend never sees one.
+    """
+
+    op: str
+    family: str
+    device: str
+    device_kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    batch_axes: tuple[int, ...]
+    normalized_shape: tuple[int, ...]
+    rows: int
+    cols: int
+    compute_dtype: str
+    stats_dtype: str
+    weight_dtype: str | None
+    bias_dtype: str | None
+    eps: float
+    return_stats: bool
+    requires_grad: bool
+    permutation: tuple[int, ...] | None
+    x_strides: tuple[int, int] | None
+    x_native: bool
+    has_out: bool
+    out_strides: tuple[int, int] | None
+    out_stats: tuple[bool, bool]
+    dispatch_key: tuple[Any, ...]
+    routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    non_native: frozenset[str] = frozenset()
+
+    @property
+    def has_weight(self) -> bool:
+        return self.weight_dtype is not None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_dtype is not None
+
+    @property
+    def stats_shape(self) -> tuple[int, ...]:
+        """Shape of ``mean``/``rstd`` as returned to the caller: x's shape, 1 on normalized axes."""
+        return tuple(1 if a in self.axes else n for a, n in enumerate(self.shape))
+
+    @property
+    def empty(self) -> bool:
+        return self.rows == 0 or self.cols == 0
 
 
 #: The fields of a :class:`~normlab.Plan` a backend may read.

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from normlab import notices
+from normlab.constants import FLOAT_DTYPES
 from normlab.errors import ArgumentError, BackendError
-from normlab.spec import FLOAT_DTYPES
 
 __all__ = ["DIRECTIONS", "Warmed", "WarmupCall", "warmup", "warmup_calls"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from normlab.spec import MACHINE_EPS
+from normlab.constants import MACHINE_EPS
 
 __all__ = ["layer_norm", "normalized_axes", "rms_norm", "to_float64"]
 

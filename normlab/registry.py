@@ -402,7 +402,7 @@ def _served_dtypes_only(
     record: BackendRecord, plugin_name: str, hook: Callable[..., Any]
 ) -> BackendRecord:
     """``record`` without the dtypes normlab does not serve (a warning names them)."""
-    from normlab.spec import FLOAT_DTYPES
+    from normlab.constants import FLOAT_DTYPES
 
     unserved = record.dtypes - frozenset(FLOAT_DTYPES)
     if not unserved:

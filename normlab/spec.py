@@ -14,12 +14,13 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 from normlab import arrays
 from normlab.arrays import ArrayInfo
+from normlab.constants import FLOAT_DTYPES, HALF_DTYPES, MACHINE_EPS, stats_dtype_for
 from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError, ShapeError
+from normlab.hookspecs import Plan
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -36,82 +37,8 @@ __all__ = [
     "stats_names",
 ]
 
-FLOAT_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
-HALF_DTYPES: Final = frozenset({"float16", "bfloat16"})
 OPS: Final = ("layer_norm", "rms_norm")
-#: ``finfo(dtype).eps``: rms_norm's default eps (as ``torch.nn.functional.rms_norm``).
-MACHINE_EPS: Final = {
-    "float16": 2.0**-10,
-    "bfloat16": 2.0**-7,
-    "float32": 2.0**-23,
-    "float64": 2.0**-52,
-}
 _PLAN_CACHE_SIZE: Final = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A validated normalization call, independent of any backend.
-
-    The normalized axes (``axes``) are reduced; the other axes (``batch_axes``) index rows.
-    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array is viewed with
-    the batch axes first and the normalized axes last (``permutation``, ``None`` when that is
-    already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
-    strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
-    needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
-    ``non_native`` names the input arrays in non-native byte order (see :func:`non_native`):
-    the core hands the backend native copies of them, so a backend never sees one.
-    """
-
-    op: str
-    family: str
-    device: str
-    device_kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    axes: tuple[int, ...]
-    batch_axes: tuple[int, ...]
-    normalized_shape: tuple[int, ...]
-    rows: int
-    cols: int
-    compute_dtype: str
-    stats_dtype: str
-    weight_dtype: str | None
-    bias_dtype: str | None
-    eps: float
-    return_stats: bool
-    requires_grad: bool
-    permutation: tuple[int, ...] | None
-    x_strides: tuple[int, int] | None
-    x_native: bool
-    has_out: bool
-    out_strides: tuple[int, int] | None
-    out_stats: tuple[bool, bool]
-    dispatch_key: tuple[Any, ...]
-    routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    non_native: frozenset[str] = frozenset()
-
-    @property
-    def has_weight(self) -> bool:
-        return self.weight_dtype is not None
-
-    @property
-    def has_bias(self) -> bool:
-        return self.bias_dtype is not None
-
-    @property
-    def stats_shape(self) -> tuple[int, ...]:
-        """Shape of ``mean``/``rstd`` as returned to the caller: x's shape, 1 on normalized axes."""
-        return tuple(1 if a in self.axes else n for a, n in enumerate(self.shape))
-
-    @property
-    def empty(self) -> bool:
-        return self.rows == 0 or self.cols == 0
-
-
-def stats_dtype_for(dtype: str) -> str:
-    """The dtype of statistics and accumulation for inputs of ``dtype``."""
-    return "float64" if dtype == "float64" else "float32"
 
 
 def non_native(**inputs: Any) -> frozenset[str]:

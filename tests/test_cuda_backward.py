@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_cuda_kernels import _FakeArray, _host_view
 
-from normlab import backward, reference, spec
+from normlab import backward, constants, reference, spec
 from normlab.backends import cuda_compile, cuda_launch
 from normlab.backends.cuda_launch import (
     BACKWARD_OPS,
@@ -35,8 +35,8 @@ from normlab.backends.cuda_launch import (
     plan_backward,
     vector_width,
 )
+from normlab.constants import FLOAT_DTYPES
 from normlab.errors import BackendError
-from normlab.spec import FLOAT_DTYPES
 
 ALIGNED = [0x7F0000000000, 0x7F0000100000, 0x7F0000200000, None]  # dy, x, dx, weight
 SOURCE = (cuda_compile.KERNEL_DIR / "backward.cu").read_text()
@@ -134,7 +134,7 @@ def test_16_byte_accesses_need_alignment_of_dy_x_dx_and_weight() -> None:
 def test_chunks_and_grids_depend_on_the_shape_alone(rows: int) -> None:
     assert "device" not in inspect.signature(plan_backward).parameters
     assert "rows" not in inspect.signature(plan_backward).parameters
-    assert backward.ROW_CHUNK == 32
+    assert constants.ROW_CHUNK == 32
     chunks = BackwardLaunch.chunks(rows)
     assert chunks == -(-rows // 32) and (chunks - 1) * 32 < rows <= chunks * 32
     for dtype in FLOAT_DTYPES:
@@ -175,7 +175,7 @@ def test_both_backward_ops_share_the_kernel_templates() -> None:
 
 
 def test_the_backward_source_and_the_planner_agree() -> None:
-    assert f"constexpr int ROW_CHUNK = {backward.ROW_CHUNK};" in SOURCE
+    assert f"constexpr int ROW_CHUNK = {constants.ROW_CHUNK};" in SOURCE
     assert f"constexpr int GRAD_LOOP_THREADS = {cuda_launch.LOOP_THREADS};" in SOURCE
     assert f"constexpr int PARTIAL_THREADS = {PARTIAL_THREADS};" in SOURCE
     assert f"constexpr int SUM_COLUMNS = {SUM_COLUMNS};" in SOURCE

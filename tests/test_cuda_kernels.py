@@ -32,7 +32,7 @@ from normlab.backends.cuda_launch import (
     plan_launch,
     vector_width,
 )
-from normlab.spec import FLOAT_DTYPES
+from normlab.constants import FLOAT_DTYPES
 
 ARCHS = ("sm_80", "sm_90")
 AWKWARD_COLS = (1, 3, 17, 127, 1000, 4097, 65536, 262144)

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 import normlab
 from normlab import reference, registry
-from normlab.spec import MACHINE_EPS
+from normlab.constants import MACHINE_EPS
 from normlab.testing.tolerances import assert_close, conditioning
 
 torch = pytest.importorskip("torch")

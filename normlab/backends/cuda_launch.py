@@ -15,7 +15,7 @@ in any batch.
 
 The backward (:func:`plan_backward`) computes dx with ``backward_rows`` (the same rungs, each
 thread holding half as many chunks: d and g) or ``backward_loop``, and dweight/dbias in two
-fixed-order steps: ``weight_partials`` sums each chunk of :data:`~normlab.backward.ROW_CHUNK`
+fixed-order steps: ``weight_partials`` sums each chunk of :data:`~normlab.constants.ROW_CHUNK`
 rows per column into a (chunks, cols) workspace, ``sum_chunks`` adds the chunks per column.
 The chunks and both grids depend on the shape alone, never on the device.
 """
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from normlab.backward import ROW_CHUNK
+from normlab.constants import ROW_CHUNK
 
 __all__ = [
     "BACKWARD_OPS",
@@ -332,7 +332,7 @@ class BackwardLaunch:
 
     @staticmethod
     def chunks(rows: int) -> int:
-        """Chunks of :data:`~normlab.backward.ROW_CHUNK` rows (the last may be short): the rows
+        """Chunks of :data:`~normlab.constants.ROW_CHUNK` rows (the last may be short): the rows
         of the partial-sums workspace. A function of ``rows`` alone."""
         if rows < 1:
             raise ValueError(f"rows must be >= 1 (no launch for empty input), got {rows}")

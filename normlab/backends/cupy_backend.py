@@ -21,7 +21,7 @@ import numpy as np
 from normlab.backends.cuda_compile import compile_kernels, nvrtc_problem, target_for
 from normlab.backends.cuda_launch import Specialisation, plan_backward, plan_launch, program_of
 from normlab.errors import BackendError
-from normlab.spec import Plan
+from normlab.hookspecs import Plan
 
 __all__ = [
     "device_problem",

@@ -48,7 +48,7 @@ from normlab.backends.numba_kernels import (
     write_segments,
 )
 from normlab.errors import BackendError
-from normlab.spec import Plan
+from normlab.hookspecs import Plan
 
 __all__ = [
     "POOL",

@@ -17,7 +17,7 @@ across blocks). Without weight the kernels are compiled without the multiply (``
 so no row of ones is made.
 
 dweight and dbias are reduced without atomics or locks: the rows are cut into chunks of
-:data:`~normlab.backward.ROW_CHUNK`; each chunk's column sums of ``dy * x̂`` and ``dy`` (in the
+:data:`~normlab.constants.ROW_CHUNK`; each chunk's column sums of ``dy * x̂`` and ``dy`` (in the
 compute dtype: at most ROW_CHUNK terms each) go to its own row of a partial-sums array, and the
 chunks are added in chunk order, in float64, at the end. Threads take whole chunks, so the
 result does not depend on the number of threads, bit for bit; the threads come from the
@@ -38,8 +38,8 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from normlab.backends.numba_kernels import BLOCK, FASTMATH, _sub, load, narrow, store
-from normlab.backward import ROW_CHUNK
-from normlab.spec import Plan
+from normlab.constants import ROW_CHUNK
+from normlab.hookspecs import Plan
 
 #: Elements per tile of a row's second sweep: dx, then the tile's partial sums while its x and
 #: dy are still in L1.

@@ -33,8 +33,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from normlab.backward import ROW_CHUNK
-from normlab.spec import Plan
+from normlab.constants import ROW_CHUNK
+from normlab.hookspecs import Plan
 
 __all__ = [
     "from_numpy",
@@ -358,7 +358,7 @@ def _backward(
     """Both backward ops, block by block (``mean`` None: RMSNorm, no centring).
 
     ``x̂ = (x - mean - r) * rstd`` with ``r = mean(x - mean)`` the residual of a rounded mean.
-    Blocks are whole chunks of :data:`~normlab.backward.ROW_CHUNK` rows; each chunk's column
+    Blocks are whole chunks of :data:`~normlab.constants.ROW_CHUNK` rows; each chunk's column
     sums (float64) are kept and added chunk after chunk at the end. NaN and Inf propagate
     quietly, as in the forward.
     """

@@ -33,8 +33,8 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from normlab.backward import ROW_CHUNK
-from normlab.spec import HALF_DTYPES, Plan
+from normlab.constants import HALF_DTYPES, MACHINE_EPS, ROW_CHUNK
+from normlab.hookspecs import Plan
 
 __all__ = [
     "from_numpy",
@@ -57,7 +57,7 @@ _FLOAT32_TINY: Final = float(np.finfo(np.float32).tiny)
 _SCALE_LIMIT: Final = 1000
 #: The smallest normal number of each compute dtype: a variance below it has lost precision.
 _TINY: Final = {"float32": _FLOAT32_TINY, "float64": float(np.finfo(np.float64).tiny)}
-_MACHINE_EPS: Final = {"float32": 2.0**-23, "float64": 2.0**-52}
+
 #: Elements per block of rows in the CPU backward (whole chunks of ROW_CHUNK rows, at least
 #: one): each of its full-size temporaries holds about this many, never the whole batch.
 ROW_BLOCK_ELEMENTS = 1 << 18
@@ -153,7 +153,7 @@ def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | No
     if plan.eps > 0 and ((centre and plan.dtype in HALF_DTYPES) or eps_lost):
         limit = 0.5 / math.sqrt(plan.eps)  # eps dominates the variance beyond this rstd
     tiny = _TINY[plan.compute_dtype]
-    if plan.eps < tiny / _MACHINE_EPS[plan.compute_dtype]:  # squares may underflow unseen
+    if plan.eps < tiny / MACHINE_EPS[plan.compute_dtype]:  # squares may underflow unseen
         limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
     low, high = torch.aminmax(rstd)
     if low.item() > 0 and high.item() < limit:  # NaN fails both

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from normlab import reference
-from normlab.spec import MACHINE_EPS
+from normlab.constants import MACHINE_EPS
 from normlab.testing.tolerances import gradient_scales
 
 __all__ = ["Expected", "autograd", "gradients"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from normlab import arrays, registry
-from normlab.spec import FLOAT_DTYPES
+from normlab.constants import FLOAT_DTYPES
 from normlab.testing.cases import LAYOUTS, LayoutUnavailable, arrange, numpy_dtype
 
 __all__ = ["Subject"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from normlab.spec import FLOAT_DTYPES, HALF_DTYPES, MACHINE_EPS
+from normlab.constants import FLOAT_DTYPES, HALF_DTYPES, MACHINE_EPS
 from normlab.testing import strategies
 from normlab.testing.cases import AWKWARD_COLS, OPS, Case
 from normlab.testing.subject import Subject

@@ -42,7 +42,7 @@
 
 namespace normlab {
 
-// Rows per partial sum of dweight and dbias (normlab.backward.ROW_CHUNK).
+// Rows per partial sum of dweight and dbias (normlab.constants.ROW_CHUNK).
 constexpr int ROW_CHUNK = 32;
 // Threads per row and chunks per thread per step of backward_loop.
 constexpr int GRAD_LOOP_THREADS = 512;
