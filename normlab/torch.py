@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import normlab
-from normlab import backward, registry
+from normlab import backward, registry, spec
 from normlab.spec import Plan
 
 __all__ = [
@@ -235,7 +235,7 @@ def _gradients(
     dy, x, weight = dy.detach(), x.detach(), _detached(weight)
     rstd2 = rstd.detach()[:, None]
     mean2 = None if mean is None else mean.detach()[:, None]
-    bplan = backward.plan(op, dy, x, mean2, rstd2, weight, None, None, needs)
+    bplan = spec.backward_plan(op, dy, x, mean2, rstd2, weight, None, None, needs)
     dx, dweight, dbias = backward.gradients(bplan, dy, x, mean2, rstd2, weight, backend)
     stats = _stats_dtype(x)
     return (  # outputs of a custom op may not alias one another: one empty tensor each
