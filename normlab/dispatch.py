@@ -157,13 +157,21 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     if generation != _generation:  # plugins came or went: every cached choice is stale
         _choices.clear()
         _generation = generation
-    key = (plan.dispatch_key, named, preference)
+    key = (
+        plan.op,
+        plan.family,
+        plan.device_kind,
+        plan.dtype,
+        plan.requires_grad,
+        named,
+        preference,
+    )
     choice = _choices.get(key)
     if choice is None:
         choice = _decide(plan, named, preference)
         _choices[key] = choice
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s: %s", plan.dispatch_key, "; ".join(choice.notes))
+            logger.debug("%s: %s", key[:5], "; ".join(choice.notes))
     return choice
 
 

@@ -37,6 +37,7 @@ The rest of a Plan is the core's routing.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -45,6 +46,7 @@ import pluggy
 
 __all__ = [
     "CAPABILITIES",
+    "DEPRECATED_PLAN_FIELDS",
     "PLAN_FIELDS",
     "PROJECT",
     "BackendRecord",
@@ -72,16 +74,14 @@ CAPABILITIES: Final = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A validated normalization call, independent of any backend.
+    """A validated normalization call, as a backend sees it (the fields in :data:`PLAN_FIELDS`).
 
     The normalized axes (``axes``) are reduced; the other axes (``batch_axes``) index rows.
-    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array is viewed with
-    the batch axes first and the normalized axes last (``permutation``, ``None`` when that is
-    already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
-    strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
-    needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
-    ``non_native`` names the input arrays in non-native byte order (see :func:`non_native`):
-    the core hands the backend native copies of them, so a backend never sees one.
+    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array viewed with the
+    batch axes first and the normalized axes last, then as ``(rows, cols)``. Statistics are
+    computed in ``compute_dtype`` and returned in ``stats_dtype``. How the core makes those rows
+    (permutation, strides, copies, ``out``, byte order, caches) is the core's own
+    ``normlab.spec.Layout``; the Plan's former fields for it are deprecated properties.
     """
 
     op: str
@@ -102,15 +102,8 @@ class Plan:
     eps: float
     return_stats: bool
     requires_grad: bool
-    permutation: tuple[int, ...] | None
-    x_strides: tuple[int, int] | None
-    x_native: bool
-    has_out: bool
-    out_strides: tuple[int, int] | None
-    out_stats: tuple[bool, bool]
-    dispatch_key: tuple[Any, ...]
-    routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    non_native: frozenset[str] = frozenset()
+    #: The core's Layout of this call (set once by ``normlab.spec``); for the deprecated fields.
+    _layout: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def has_weight(self) -> bool:
@@ -128,6 +121,35 @@ class Plan:
     @property
     def empty(self) -> bool:
         return self.rows == 0 or self.cols == 0
+
+
+def _deprecated_routing_field(name: str) -> property:
+    def read(plan: Plan) -> Any:
+        warnings.warn(
+            f"Plan.{name} is deprecated: it is the core's routing, not for backends (normlab "
+            "makes the rows a backend reads); read only the fields in normlab.hookspecs."
+            "PLAN_FIELDS",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(plan._layout, name)
+
+    return property(read, doc=f"Deprecated: the core's routing ({name}); see PLAN_FIELDS.")
+
+
+#: Former Plan fields that moved to the core's Layout; reading them on a Plan warns.
+DEPRECATED_PLAN_FIELDS: Final = (
+    "permutation",
+    "x_strides",
+    "x_native",
+    "has_out",
+    "out_strides",
+    "out_stats",
+    "routes",
+    "non_native",
+)
+for _name in DEPRECATED_PLAN_FIELDS:
+    setattr(Plan, _name, _deprecated_routing_field(_name))
 
 
 #: The fields of a :class:`~normlab.Plan` a backend may read.

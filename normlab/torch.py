@@ -235,8 +235,8 @@ def _gradients(
     dy, x, weight = dy.detach(), x.detach(), _detached(weight)
     rstd2 = rstd.detach()[:, None]
     mean2 = None if mean is None else mean.detach()[:, None]
-    bplan = spec.backward_plan(op, dy, x, mean2, rstd2, weight, None, None, needs)
-    dx, dweight, dbias = backward.gradients(bplan, dy, x, mean2, rstd2, weight, backend)
+    call = spec.validated_backward(op, dy, x, mean2, rstd2, weight, None, None, needs)
+    dx, dweight, dbias = backward.gradients(call, dy, x, mean2, rstd2, weight, backend)
     stats = _stats_dtype(x)
     return (  # outputs of a custom op may not alias one another: one empty tensor each
         x.new_empty(0) if dx is None else dx,
