@@ -37,8 +37,9 @@ The rest of a Plan is the core's routing.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -50,7 +51,9 @@ __all__ = [
     "PLAN_FIELDS",
     "PROJECT",
     "BackendRecord",
+    "CostModel",
     "Plan",
+    "cost_table",
     "hookimpl",
     "hookspec",
     "normlab_backends",
@@ -175,6 +178,45 @@ PLAN_FIELDS: Final = (
 
 
 @dataclass(frozen=True, slots=True)
+class CostModel:
+    """The time of one call on a backend: ``fixed_us + x_bytes / bytes_per_us[dtype]``
+    microseconds, where ``x_bytes`` is the size of x (rows x cols x itemsize) and
+    ``bytes_per_us`` the sustained rate per dtype name (a dtype not listed: no estimate).
+    Fitted from timings of the backend on this kind of machine (``normlab calibrate``)."""
+
+    fixed_us: float
+    bytes_per_us: Mapping[str, float]
+
+    def estimate_us(self, x_bytes: float, dtype: str) -> float | None:
+        """The estimated time of a call on ``x_bytes`` bytes of x, or None for another dtype."""
+        rate = self.bytes_per_us.get(dtype)
+        return None if rate is None else self.fixed_us + x_bytes / rate
+
+
+def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
+    """Cost models from their JSON form, ``{"backends": {name: {op: {"fixed_us": f,
+    "bytes_per_us": {dtype: rate}}}}}`` → ``{name: {op: CostModel}}``; ValueError naming what is
+    malformed (every number finite and >= 0, every rate > 0)."""
+    try:
+        table = {
+            name: {op: _cost_model(e["fixed_us"], e["bytes_per_us"]) for op, e in ops.items()}
+            for name, ops in data["backends"].items()
+        }
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a cost table: {type(exc).__name__}: {exc}") from None
+    return table
+
+
+def _cost_model(fixed_us: Any, rates: Any) -> CostModel:
+    numbers = [fixed_us, *rates.values()]
+    if not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in numbers):
+        raise ValueError(f"costs must be finite numbers >= 0, got {fixed_us!r}, {rates!r}")
+    if any(r == 0 for r in rates.values()):
+        raise ValueError(f"a rate of 0 bytes per microsecond: {rates!r}")
+    return CostModel(float(fixed_us), {str(k): float(v) for k, v in rates.items()})
+
+
+@dataclass(frozen=True, slots=True)
 class BackendRecord:
     """Static description of one backend, as returned by the ``normlab_backends`` hook.
 
@@ -199,6 +241,14 @@ class BackendRecord:
             results to zero (XLA on the CPU does): the contract's range then excludes subnormal
             inputs for this backend, and the conformance suite skips its subnormal cases,
             saying so.
+        zero_copy_families: further families the backend serves without a copy on the same
+            device, eligible by default (unlike ``explicit_families``): the dispatcher picks
+            between it and the family's own backend by cost when both declare a cost model.
+        costs: the :class:`CostModel` of one call, per op name (``"layer_norm"``) or per op and
+            family (``"layer_norm:torch"``, preferred when both are given); the dispatcher
+            compares the estimates of able backends that both declare one (else priority
+            decides).
+            ``normlab calibrate`` measures them on the user's machine, overriding these.
     """
 
     name: str
@@ -214,6 +264,8 @@ class BackendRecord:
     library: str | None = None
     description: str = ""
     flushes_subnormals: bool = False
+    zero_copy_families: frozenset[str] = frozenset()
+    costs: Mapping[str, CostModel] = field(default_factory=dict, hash=False)
 
 
 @hookspec
