@@ -34,8 +34,7 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from normlab import notices
-from normlab.backends import half_bits, numba_backward, numba_cache, numba_kernels
+from normlab.backends import compile_notices, half_bits, numba_backward, numba_cache, numba_kernels
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import (
     LONG_ROW_BYTES,
@@ -117,7 +116,7 @@ class Pool:
         self._forked = self._forked or self._started
 
 
-notices.watch_numba_compiles()  # a slow first call says that it is compiling
+compile_notices.watch_numba_compiles()  # a slow first call says that it is compiling
 
 #: The one pool of this process (numba has one set of worker threads per process).
 POOL: Final = Pool()
