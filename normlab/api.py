@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from normlab import backward, dispatch, layout, registry, spec
+from normlab import autograd, backward, dispatch, layout, registry, spec
 from normlab.errors import NormlabError
 
 __all__ = ["explain", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
@@ -53,6 +53,8 @@ def layer_norm(
     """
     plan = spec.plan("layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out)
     choice = dispatch.choose(plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(plan, choice)
     return layout.run(plan, choice, x, weight, bias, out)
 
 
@@ -84,6 +86,8 @@ def rms_norm(
     """
     plan = spec.plan("rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out)
     choice = dispatch.choose(plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(plan, choice)
     return layout.run(plan, choice, x, weight, None, out)
 
 

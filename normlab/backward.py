@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Final
 
-from normlab import arrays, dispatch, layout, spec
+from normlab import arrays, autograd, dispatch, layout, spec
 from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
 from normlab.spec import Plan
 
@@ -91,7 +91,7 @@ def gradients(
     normalized shape in ``plan.compute_dtype``; None for what is not in ``bplan.needs``.
     """
     p = bplan.plan
-    choice = dispatch.choose(p, backend)
+    choice = autograd.through_graph(p, dispatch.choose(p, backend))
     if not bplan.needs:
         return None, None, None
     if p.empty:

@@ -6,7 +6,7 @@ Order of precedence:
 2. ``use_backend(name)`` (a :class:`~contextvars.ContextVar`, thread- and async-safe) or the
    ``NORMLAB_BACKEND`` environment variable: a preference, used when that backend can serve;
 3. otherwise the highest-priority available backend that serves the op, the array family, the
-   device kind, the dtype and (for arrays that require grad) autograd.
+   device kind, the dtype and (for tensors that require grad) the graph: see :func:`keeps_graph`.
 
 A backend may serve a family from its ``explicit_families`` (zero-copy service of another
 library's arrays) only when named by ``backend=`` or ``use_backend``. There are no implicit device
@@ -38,6 +38,7 @@ __all__ = [
     "choose",
     "clear_caches",
     "current_preference",
+    "keeps_graph",
     "refusal",
     "use_backend",
 ]
@@ -53,11 +54,17 @@ _generation = -1
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The backend chosen for a call, and one line per candidate saying why it won or lost."""
+    """The backend chosen for a call, and one line per candidate saying why it won or lost.
+
+    ``records_no_graph``: the call is on torch tensors and the backend records no autograd graph
+    itself (no ``autograd`` capability); the core runs such a backend through normlab's custom
+    ops when a tensor requires grad or a torch trace is in progress (:mod:`normlab.autograd`).
+    """
 
     backend: Backend
     how: str
     notes: tuple[str, ...]
+    records_no_graph: bool = False
 
 
 @contextmanager
@@ -142,9 +149,23 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
         return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"
     if plan.dtype not in backend.dtypes:
         return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
-    if plan.requires_grad and "autograd" not in backend.capabilities:
-        return "does not support autograd and x requires grad (normlab never detaches silently)"
+    if plan.requires_grad and not keeps_graph(backend, plan.op):
+        return (
+            f"does not support autograd (it records no graph and provides no "
+            f"{plan.op}_backward for normlab's custom op) and x requires grad (normlab never "
+            "detaches silently)"
+        )
     return None
+
+
+def keeps_graph(backend: Backend, op: str) -> bool:
+    """Whether torch tensors that require grad keep their autograd graph through ``backend``'s
+    ``op``: the backend records graphs itself (the ``autograd`` capability), or the core runs it
+    through normlab's custom op, whose gradient is the backend's own backward op (provided).
+    A backward op run that way stays in the graph as a leaf op (no double backward)."""
+    if "autograd" in backend.capabilities:
+        return True
+    return op.endswith("_backward") or f"{op}_backward" in backend.ops
 
 
 def choose(plan: Plan, named: str | None = None) -> Choice:
@@ -161,6 +182,8 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     choice = _choices.get(key)
     if choice is None:
         choice = _decide(plan, named, preference)
+        if plan.family == "torch" and "autograd" not in choice.backend.capabilities:
+            choice = Choice(choice.backend, choice.how, choice.notes, records_no_graph=True)
         _choices[key] = choice
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: %s", plan.dispatch_key, "; ".join(choice.notes))
