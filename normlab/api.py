@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Final
 
 from normlab import autograd, backward, dispatch, layout, registry, spec
-from normlab.errors import NormlabError
+from normlab.errors import ArgumentError, NormlabError
+from normlab.ops import BACKWARD_OPS
 
 __all__ = ["explain", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
@@ -161,34 +165,52 @@ def rms_norm_backward(
     return dx, dweight
 
 
-def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
+def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     """Say which backend a call would use and why, without running it.
 
-    Takes the same arguments as the op (``explain(x, weight=w, backend="numba")``). The text
-    lists every registered backend with the reason it was or was not chosen, the preference in
-    force, and whether the call copies ``x``.
+    Takes the arguments of the op ``op`` (any op of :mod:`normlab.ops`), bound as the op's own
+    function binds them: ``explain(x, weight=w, backend="numba")``,
+    ``explain(dy, x, mean, rstd, op="layer_norm_backward")``. The text lists every registered
+    backend with the reason it was or was not chosen, the preference in force, and whether the
+    call copies its inputs.
     """
-    names = (
-        ("normalized_shape", "weight", "eps")
-        if op == "rms_norm"
-        else ("normalized_shape", "weight", "bias", "eps")
-    )
-    call = dict(zip(names, args, strict=False))
-    call.update(kwargs)
-    named = call.pop("backend", None)
-    default_eps = None if op == "rms_norm" else 1e-5
+    if op not in _FUNCTIONS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(_FUNCTIONS)}")
+    try:
+        bound = _signature(op).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ArgumentError(f"explain(op={op!r}): {exc}") from None
+    bound.apply_defaults()
+    call = bound.arguments
+    named = call["backend"]
+    x = call["x"]
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
-    plan = spec.plan(
-        op,
-        x,
-        call.get("normalized_shape"),
-        call.get("weight"),
-        call.get("bias"),
-        call.get("eps", default_eps),
-        call.get("axis"),
-        call.get("return_stats", False),
-        call.get("out"),
-    )
+    bplan = None
+    if op in BACKWARD_OPS:
+        bplan = spec.backward_plan(
+            op,
+            call["dy"],
+            x,
+            call.get("mean"),
+            call["rstd"],
+            call["weight"],
+            call["normalized_shape"],
+            call["axis"],
+            call["needs"],
+        )
+        plan = bplan.plan
+    else:
+        plan = spec.plan(
+            op,
+            x,
+            call["normalized_shape"],
+            call["weight"],
+            call.get("bias"),
+            call["eps"],
+            call["axis"],
+            call["return_stats"],
+            call["out"],
+        )
     lines.append(
         f"  x: {plan.dtype} {plan.shape} on {plan.device}"
         f"{', requires grad' if plan.requires_grad else ''}; normalized axes {plan.axes} "
@@ -212,21 +234,44 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
             lines.append(f"    {b.name} (priority {b.priority}): {state}")
     if plan.empty:
         lines.append("  empty input: no kernel is launched")
-    else:
-        try:
-            r = layout.route(plan, choice)
-        except NormlabError as exc:
-            lines.append(f"  the chosen backend cannot run: {exc}")
-            return "\n".join(lines)
-        lines.append(f"  layout: {'copy of x — ' + r.copy_x if r.copy_x else 'no copy of x'}")
-        converted = ", ".join(sorted(plan.non_native - {"x"}))
-        if converted:
-            lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
-        if plan.has_out:
-            how = "directly" if r.out_direct else "through one temporary"
-            lines.append(f"  out: written {how}")
-        backend_notes = getattr(choice.backend.module, "explain", None)
-        if backend_notes is not None:
-            notes = backend_notes(x, plan=plan)
-            lines.extend(f"  {line}" for line in notes.splitlines())
+        return "\n".join(lines)
+    try:
+        if bplan is None:
+            copies = {"x": layout.route(plan, choice).copy_x}
+        else:
+            strides = {"dy": bplan.dy_strides, "x": plan.x_strides}
+            copies = {
+                name: layout.copy_reason(name, plan, s, name not in plan.non_native, choice.backend)
+                for name, s in strides.items()
+            }
+    except NormlabError as exc:
+        lines.append(f"  the chosen backend cannot run: {exc}")
+        return "\n".join(lines)
+    for name, reason in copies.items():
+        lines.append(
+            f"  layout: {f'copy of {name} — ' + reason if reason else f'no copy of {name}'}"
+        )
+    converted = ", ".join(sorted(plan.non_native - copies.keys()))
+    if converted:
+        lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
+    if plan.has_out:
+        how = "directly" if layout.route(plan, choice).out_direct else "through one temporary"
+        lines.append(f"  out: written {how}")
+    backend_notes = getattr(choice.backend.module, "explain", None)
+    if backend_notes is not None:
+        notes = backend_notes(x, plan=plan)
+        lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)
+
+
+_FUNCTIONS: Final[dict[str, Callable[..., Any]]] = {
+    "layer_norm": layer_norm,
+    "rms_norm": rms_norm,
+    "layer_norm_backward": layer_norm_backward,
+    "rms_norm_backward": rms_norm_backward,
+}
+
+
+@functools.cache
+def _signature(op: str) -> inspect.Signature:
+    return inspect.signature(_FUNCTIONS[op])

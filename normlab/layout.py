@@ -19,7 +19,17 @@ from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
 from normlab.spec import Aliasing, Plan, output_aliasing, split_out
 
-__all__ = ["Route", "native", "route", "run"]
+__all__ = [
+    "Route",
+    "copy_reason",
+    "flat",
+    "from_rows",
+    "kernel_failure",
+    "native",
+    "route",
+    "rows",
+    "run",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,22 @@ def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: 
     return unit_cols and (row == plan.cols or plan.rows == 1)
 
 
+def copy_reason(
+    name: str, plan: Plan, strides: tuple[int, int] | None, native: bool, backend: Backend
+) -> str | None:
+    """Why the x-like input ``name`` (x, dy, …) must be copied to C-contiguous rows for
+    ``backend``, or None when the backend reads it as it is (families without strides: never)."""
+    if plan.family not in ("numpy", "cupy", "torch"):
+        return None
+    if not native:
+        return f"{name} has non-native byte order"
+    if strides is None:
+        return f"{name}'s batch or normalized axes cannot be viewed as 2-D rows without a copy"
+    if not _reads(backend.capabilities, strides, plan):
+        return f"backend {backend.name!r} reads only C-contiguous rows"
+    return None
+
+
 def route(plan: Plan, choice: Choice) -> Route:
     """The :class:`Route` of ``plan`` on the chosen backend (cached on the plan)."""
     backend = choice.backend
@@ -55,14 +81,7 @@ def route(plan: Plan, choice: Choice) -> Route:
     if cached is not None:
         return cached  # type: ignore[no-any-return]
     caps = backend.capabilities
-    copy_x = None
-    if plan.family in ("numpy", "cupy", "torch"):
-        if not plan.x_native:
-            copy_x = "x has non-native byte order"
-        elif plan.x_strides is None:
-            copy_x = "x's batch or normalized axes cannot be viewed as 2-D rows without a copy"
-        elif not _reads(caps, plan.x_strides, plan):
-            copy_x = f"backend {backend.name!r} reads only C-contiguous rows"
+    copy_x = copy_reason("x", plan, plan.x_strides, plan.x_native, backend)
     order = plan.permutation
     inverse = None if order is None else tuple(order.index(a) for a in range(len(order)))
     permuted = plan.shape if order is None else tuple(plan.shape[a] for a in order)
@@ -148,7 +167,9 @@ def _mark_written(a: Any, family: str) -> None:
         sys.modules["torch"].autograd.graph.increment_version(a)
 
 
-def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
+def rows(a: Any, plan: Plan, copy: bool) -> Any:
+    """The x-like array ``a`` (x, dy, out, …) as the 2-D ``(rows, cols)`` view a backend reads:
+    batch axes first; a C-contiguous copy when ``copy`` (see :func:`copy_reason`)."""
     if plan.permutation is not None:
         a = _permute(a, plan.family, plan.permutation)
     if copy:
@@ -156,14 +177,17 @@ def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
     return a.reshape(plan.rows, plan.cols)
 
 
-def _from_rows(a: Any, plan: Plan, r: Route, shape: tuple[int, ...]) -> Any:
+def from_rows(a: Any, family: str, shape: tuple[int, ...], inverse: tuple[int, ...] | None) -> Any:
+    """A backend's 2-D result back in the caller's axes: reshaped to ``shape`` (the permuted
+    shape) and permuted by ``inverse``."""
     a = a.reshape(shape)
-    if r.inverse is not None:
-        a = _permute(a, plan.family, r.inverse)
+    if inverse is not None:
+        a = _permute(a, family, inverse)
     return a
 
 
-def _flat(p: Any, plan: Plan) -> Any:
+def flat(p: Any, plan: Plan) -> Any:
+    """A per-feature array (weight, bias) as the 1-D ``(cols,)`` array a backend reads."""
     if p is None or len(plan.normalized_shape) == 1:
         return p
     return _contiguous(p, plan.family).reshape(plan.cols)
@@ -211,27 +235,31 @@ def _run(
         y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:
         r = r or route(plan, choice)
-        x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
+        x2 = rows(x, plan, copy=r.copy_x is not None)
         backend_out = None
         if out_y is not None and r.out_direct and aliasing != "temporary":
             in_place = aliasing == "in_place" and r.copy_x is None
             if not in_place or r.inplace_ok:
-                backend_out = _to_rows(out_y, plan, r, copy=False)
+                backend_out = rows(out_y, plan, copy=False)
         y2, mean1, rstd1 = r.function(
-            x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
+            x2, flat(weight, plan), flat(bias, plan), plan=plan, out=backend_out
         )
         if out_y is not None and backend_out is None:
-            _copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape), plan.family)
+            _copy_into(out_y, from_rows(y2, plan.family, r.permuted_shape, r.inverse), plan.family)
             y = out_y
         elif out_y is not None:
             _mark_written(out_y, plan.family)
             y = out_y
         else:
-            y = _from_rows(y2, plan, r, r.permuted_shape)
+            y = from_rows(y2, plan.family, r.permuted_shape, r.inverse)
         if not plan.return_stats:
             return y
-        mean = None if mean1 is None else _from_rows(mean1, plan, r, r.stats_permuted_shape)
-        rstd = _from_rows(rstd1, plan, r, r.stats_permuted_shape)
+        mean = (
+            None
+            if mean1 is None
+            else from_rows(mean1, plan.family, r.stats_permuted_shape, r.inverse)
+        )
+        rstd = from_rows(rstd1, plan.family, r.stats_permuted_shape, r.inverse)
     if not plan.return_stats:
         return y
     if out_mean is not None:

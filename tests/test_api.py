@@ -67,12 +67,12 @@ def test_layer_norm_signature() -> None:
 def test_explain_signature() -> None:
     params = list(inspect.signature(normlab.explain).parameters.values())
     assert [(p.name, p.kind) for p in params] == [
-        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         ("args", inspect.Parameter.VAR_POSITIONAL),
         ("op", inspect.Parameter.KEYWORD_ONLY),
         ("kwargs", inspect.Parameter.VAR_KEYWORD),
     ]
-    assert params[2].default == "layer_norm"
+    assert params[1].default == "layer_norm"
+    assert "chosen: numpy" in normlab.explain(x=_x(2, 4))  # x by keyword, as the op takes it
 
 
 def test_list_backends_records() -> None:
@@ -108,6 +108,34 @@ def test_explain_takes_the_ops_arguments() -> None:
     assert "normalized axes (1, 2) -> 2 rows x 12 cols" in text
     assert "named backend: numpy" in text
     assert "normalized axes (0, 2) -> 3 rows x 8 cols" in normlab.explain(x, axis=(0, 2))
+
+
+def test_explain_serves_the_backward_ops() -> None:
+    x = _x(3, 8)
+    _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
+    text = normlab.explain(x, x, mean, rstd, op="layer_norm_backward", backend="numpy")
+    assert text.startswith("normlab.layer_norm_backward on numpy.ndarray")
+    assert "chosen: numpy (named with backend=)" in text
+    assert "layout: no copy of dy" in text and "layout: no copy of x" in text
+    x3 = _x(2, 3, 4)
+    dy = _x(2, 5, 4)[:, :3]  # its batch axes do not collapse into one row stride
+    _, rstd = normlab.rms_norm(x3, return_stats=True, backend="numpy")
+    text = normlab.explain(dy, x3, rstd, op="rms_norm_backward", backend="numpy")
+    assert "layout: copy of dy — dy's batch or normalized axes cannot be viewed" in text
+    assert "layout: no copy of x" in text
+
+
+def test_explain_binds_arguments_as_the_op_does() -> None:
+    x = _x(2, 4)
+    assert "named backend: numpy" in normlab.explain(
+        x, 4, None, 1e-6, op="rms_norm", backend="numpy"
+    )
+    with pytest.raises(normlab.ArgumentError, match="unexpected keyword argument 'bias'"):
+        normlab.explain(x, bias=np.zeros(4), op="rms_norm")
+    with pytest.raises(normlab.ArgumentError, match="too many positional arguments"):
+        normlab.explain(x, 4, None, None, 1e-5, 0, op="layer_norm")
+    with pytest.raises(normlab.ArgumentError, match="missing a required argument: 'rstd'"):
+        normlab.explain(x, x, op="rms_norm_backward")
 
 
 # --------------------------------------------------------------------------------------------

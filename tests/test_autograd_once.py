@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import normlab
-from normlab import backward, dispatch, layout, registry, spec
+from normlab import dispatch, layout, registry, spec
 
 torch = pytest.importorskip("torch")
 nt = pytest.importorskip("normlab.torch")
@@ -37,7 +37,7 @@ def backend(request: pytest.FixtureRequest) -> str | None:
 def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
     """Count the caller's calls (``normlab.layer_norm``/``rms_norm``, as the modules call them,
     outside any call already running), entries into validation (``spec.plan``,
-    ``backward.plan``) and dispatch (``dispatch.choose``), and those entered again while
+    ``spec.backward_plan``) and dispatch (``dispatch.choose``), and those entered again while
     ``layout.run`` runs a call (a backend or an op going back through the public API)."""
     counts: collections.Counter[str] = collections.Counter()
     running = [0]
@@ -66,7 +66,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[st
     caller("layer_norm")
     caller("rms_norm")
     counted(spec, "plan")
-    counted(backward, "plan")
+    counted(spec, "backward_plan")
     counted(dispatch, "choose")
     run = layout.run
 
@@ -136,7 +136,7 @@ def test_backward_op_on_tensors_that_require_grad_dispatches_once(
     _, mean, rstd = normlab.layer_norm(x.detach(), return_stats=True)
     with counting(monkeypatch) as counts:
         dx, _, _ = normlab.layer_norm_backward(dy, x, mean, rstd, backend="numba", needs=("x",))
-    assert counts == {"plan": 1, "choose": 1}  # backward.plan and dispatch.choose
+    assert counts == {"backward_plan": 1, "choose": 1}
     assert dx.grad_fn is not None  # in the graph, as a leaf op (no double backward)
 
 

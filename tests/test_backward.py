@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import normlab
-from normlab import backward, dispatch, reference, registry
+from normlab import dispatch, reference, registry, spec
 from normlab.testing.tolerances import assert_close
 
 RNG = np.random.default_rng(7)
@@ -561,7 +561,7 @@ def test_dispatch_follows_the_forward_rules(no_preference: None) -> None:
     """NumPy arrays: the highest-priority backend providing the op; a named backend strictly."""
     x = _x((4, 8), "float32")
     _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
-    bplan = backward.plan("layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",))
+    bplan = spec.backward_plan("layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",))
     providers = [
         b for b in normlab.list_backends()
         if "layer_norm_backward" in b.ops and "numpy" in b.families and b.available
