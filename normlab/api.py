@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import backward, dispatch, layout, registry, spec
+from normlab import autograd, backward, dispatch, layout, registry, spec
 from normlab.errors import ArgumentError, NormlabError
 from normlab.ops import BACKWARD_OPS
 
@@ -59,6 +59,8 @@ def layer_norm(
         "layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out
     )
     choice = dispatch.choose(call.plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(call.plan, choice)
     return layout.run(call, choice, x, weight, bias, out)
 
 
@@ -92,6 +94,8 @@ def rms_norm(
         "rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out
     )
     choice = dispatch.choose(call.plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(call.plan, choice)
     return layout.run(call, choice, x, weight, None, out)
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from normlab import dispatch, layout, spec
+from normlab import autograd, dispatch, layout, spec
 from normlab.ops import BACKWARD_OPS, OPS
 from normlab.spec import Layout, Plan
 
@@ -75,7 +75,7 @@ def gradients(
     normalized shape in ``plan.compute_dtype``; None for what is not in ``call.needs``.
     """
     p = call.plan
-    choice = dispatch.choose(p, backend)
+    choice = autograd.through_graph(p, dispatch.choose(p, backend))
     if not call.needs:
         return None, None, None
     if p.empty:

@@ -6,9 +6,10 @@ Order of precedence:
 2. ``use_backend(name)`` (a :class:`~contextvars.ContextVar`, thread- and async-safe) or the
    ``NORMLAB_BACKEND`` environment variable: a preference, used when that backend can serve;
 3. otherwise, among the available backends that serve the op, the array family, the device
-   kind, the dtype and (for arrays that require grad) autograd: the highest-priority one — unless
-   it declares a cost model (:mod:`normlab.costs`), in which case the able backend with the
-   lowest estimated time among those that declare one (priority breaks ties).
+   kind, the dtype and (for tensors that require grad) the graph (see :func:`keeps_graph`): the
+   highest-priority one — unless it declares a cost model (:mod:`normlab.costs`), in which case
+   the able backend with the lowest estimated time among those that declare one (priority
+   breaks ties).
 
 A backend serves the families of its ``zero_copy_families`` (another library's arrays, read in
 place on the same device) like its own; those of its ``explicit_families`` only when named by
@@ -41,6 +42,7 @@ __all__ = [
     "choose",
     "clear_caches",
     "current_preference",
+    "keeps_graph",
     "refusal",
     "use_backend",
 ]
@@ -56,11 +58,17 @@ _generation = -1
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The backend chosen for a call, and one line per candidate saying why it won or lost."""
+    """The backend chosen for a call, and one line per candidate saying why it won or lost.
+
+    ``records_no_graph``: the call is on torch tensors and the backend records no autograd graph
+    itself (no ``autograd`` capability); the core runs such a backend through normlab's custom
+    ops when a tensor requires grad or a torch trace is in progress (:mod:`normlab.autograd`).
+    """
 
     backend: Backend
     how: str
     notes: tuple[str, ...]
+    records_no_graph: bool = False
 
 
 @contextmanager
@@ -147,9 +155,23 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
         return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"
     if plan.dtype not in backend.dtypes:
         return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
-    if plan.requires_grad and "autograd" not in backend.capabilities:
-        return "does not support autograd and x requires grad (normlab never detaches silently)"
+    if plan.requires_grad and not keeps_graph(backend, plan.op):
+        return (
+            f"does not support autograd (it records no graph and provides no "
+            f"{plan.op}_backward for normlab's custom op) and x requires grad (normlab never "
+            "detaches silently)"
+        )
     return None
+
+
+def keeps_graph(backend: Backend, op: str) -> bool:
+    """Whether torch tensors that require grad keep their autograd graph through ``backend``'s
+    ``op``: the backend records graphs itself (the ``autograd`` capability), or the core runs it
+    through normlab's custom op, whose gradient is the backend's own backward op (provided).
+    A backward op run that way stays in the graph as a leaf op (no double backward)."""
+    if "autograd" in backend.capabilities:
+        return True
+    return op.endswith("_backward") or f"{op}_backward" in backend.ops
 
 
 def choose(plan: Plan, named: str | None = None) -> Choice:
@@ -175,6 +197,8 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     choice = _choices.get(key)
     if choice is None:
         choice = _decide(plan, named, preference)
+        if plan.family == "torch" and "autograd" not in choice.backend.capabilities:
+            choice = Choice(choice.backend, choice.how, choice.notes, records_no_graph=True)
         _choices[key] = choice
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: %s", key[:5], "; ".join(choice.notes))

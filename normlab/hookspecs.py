@@ -70,7 +70,8 @@ CAPABILITIES: Final = frozenset(
         "row_strided",  # reads a 2-D view with any row stride and unit column stride
         "out",  # writes into a caller's 2-D ``out`` (with the same stride rules as x)
         "inplace",  # ``out`` may be the very memory of ``x``
-        "autograd",  # serves arrays that require grad and keeps the graph
+        "autograd",  # records torch's autograd graph itself (without it, a backend that
+        # provides an op's backward op is run by the core through normlab's custom ops)
     }
 )
 

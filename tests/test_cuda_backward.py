@@ -587,48 +587,48 @@ def torch_plan() -> Any:
     return torch, dataclasses.replace(plan, family="torch", requires_grad=True)
 
 
-def test_the_forward_goes_through_the_custom_ops(
+def test_a_plan_that_requires_grad_never_reaches_the_kernels(
     torch_plan: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch, plan = torch_plan
-    import normlab.torch as normlab_torch
-    from normlab.backends import cupy_backend
-
-    calls = []
-    for name in ("layer_norm_with_autograd", "rms_norm_with_autograd"):
-        monkeypatch.setattr(
-            normlab_torch, name, lambda *a, _n=name, **k: calls.append((_n, k["backend"])) or ()
-        )
-    cupy_backend.layer_norm("x", "w", "b", plan=plan, out=None)
-    cupy_backend.rms_norm("x", "w", None, plan=dataclasses.replace(plan, op="rms_norm"), out=None)
-    assert calls == [("layer_norm_with_autograd", "cupy"), ("rms_norm_with_autograd", "cupy")]
-    with pytest.raises(BackendError, match="out="):
-        cupy_backend.layer_norm("x", "w", "b", plan=plan, out="y")
-    monkeypatch.setattr(cupy_backend, "_launch", lambda *a: ("launched",))
-    with torch.no_grad():  # no graph to record: the kernel writes out
-        assert cupy_backend.layer_norm("x", "w", "b", plan=plan, out="y") == ("launched",)
-
-
-def test_the_backward_goes_through_the_custom_ops(
-    torch_plan: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    """The backend does arithmetic only: tensors that require grad are the core's to route
+    (through the custom ops); handed one, it refuses rather than detach, and never calls up."""
     _, plan = torch_plan
-    import normlab.torch as normlab_torch
     from normlab.backends import cupy_backend
 
-    calls = []
+    monkeypatch.setattr(cupy_backend, "_launch", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(cupy_backend, "_backward", lambda *a: pytest.fail("launched"))
+    rms = dataclasses.replace(plan, op="rms_norm")
+    needs = frozenset({"x"})
+    calls = [
+        lambda: cupy_backend.layer_norm("x", "w", "b", plan=plan, out=None),
+        lambda: cupy_backend.rms_norm("x", "w", None, plan=rms, out="y"),
+        lambda: cupy_backend.layer_norm_backward("dy", "x", "m", "r", "w", plan=plan, needs=needs),
+        lambda: cupy_backend.rms_norm_backward("dy", "x", "r", "w", plan=rms, needs=needs),
+    ]
+    for call in calls:
+        with pytest.raises(BackendError, match="records no autograd graph"):
+            call()
+    assert "normlab.torch" not in inspect.getsource(cupy_backend)
 
-    def record(dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, **k: Any) -> tuple[Any, ...]:
-        calls.append((mean, k["needs"], k["backend"]))
-        return "dx", "dw", "db"
 
-    monkeypatch.setattr(normlab_torch, "backward_with_autograd", record)
-    needs = frozenset({"x", "weight", "bias"})
-    got = cupy_backend.layer_norm_backward("dy", "x", "m", "r", "w", plan=plan, needs=needs)
-    assert got == ("dx", "dw", "db")
-    got = cupy_backend.rms_norm_backward("dy", "x", "r", "w", plan=plan, needs=needs)
-    assert got == ("dx", "dw")
-    assert calls == [("m", needs, "cupy"), (None, frozenset({"x", "weight"}), "cupy")]
+def test_the_core_runs_cupy_through_the_custom_ops(torch_plan: Any) -> None:
+    """For CUDA tensors that require grad the core hands layout the cupy backend wrapped in the
+    custom ops (no CUDA device needed to see the routing): no ``out``/``inplace`` (the core
+    copies into out, recorded), each op a custom op naming backend "cupy"."""
+    _, plan = torch_plan
+    from normlab import autograd, dispatch, registry, torch_ops
+
+    cupy = registry.get("cupy")
+    choice = dispatch.Choice(cupy, "named with backend=", (), records_no_graph=True)
+    wrapped = autograd.through_graph(plan, choice)
+    assert isinstance(wrapped.backend, torch_ops.InGraph) and wrapped.backend.served is cupy
+    assert wrapped.backend.name == "cupy" and "row_strided" in wrapped.backend.capabilities
+    assert not {"out", "inplace", "autograd"} & wrapped.backend.capabilities
+    if cupy.available:
+        function = wrapped.backend.function("layer_norm_backward")
+        assert function.keywords == {"backend": "cupy"}
+    untouched = dataclasses.replace(plan, requires_grad=False)
+    assert autograd.through_graph(untouched, choice) is choice  # no grad, no trace: direct
 
 
 # --------------------------------------------------------------------------------------------

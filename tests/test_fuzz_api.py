@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
 import normlab
-from normlab import reference, registry
+from normlab import dispatch, reference, registry
 from normlab.constants import MACHINE_EPS
 from normlab.testing.tolerances import assert_close, conditioning
 
@@ -338,7 +338,7 @@ def backend_problems(name: Any, op: str, x: Any, requires_grad: bool) -> set[typ
         and _family(x) in b.families | b.explicit_families
         and "cpu" in b.devices
         and _dtype_name(x) in b.dtypes
-        and (not requires_grad or "autograd" in b.capabilities)
+        and (not requires_grad or dispatch.keeps_graph(b, op))
         and b.available
     )
     return set() if serves else {normlab.BackendError}
