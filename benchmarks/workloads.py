@@ -174,6 +174,30 @@ def backend_call(op: str, backend: Backend, data: Workload, out: bool) -> Call:
     raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
 
 
+#: normlab's own choice (no backend named) on inputs of each family: the matrix's "auto" rows.
+AUTO: Final = {"auto": "numpy", "auto-torch": "torch"}
+
+
+def auto_call(op: str, subject: str, data: Workload) -> Call:
+    """``normlab.<op>`` with no backend named, on inputs of the family of ``subject`` (see
+    :data:`AUTO`): what a user calling normlab gets, dispatch included."""
+    family = AUTO[subject]
+    convert = (lambda a: a) if family == "numpy" else _torch_view
+    x, weight, bias = (convert(a) for a in (data.x, data.weight, data.bias))
+    if op == "layer_norm_backward":
+        dy = convert(data.dy)
+        mean, rstd = (convert(a) for a in data.layer_norm_stats)
+        return lambda: normlab.layer_norm_backward(dy, x, mean, rstd, weight)
+    if op == "rms_norm_backward":
+        dy, rstd = convert(data.dy), convert(data.rms_norm_stats)
+        return lambda: normlab.rms_norm_backward(dy, x, rstd, weight)
+    if op == "rms_norm":
+        return lambda: normlab.rms_norm(x, None, weight, EPS)
+    if op == "layer_norm":
+        return lambda: normlab.layer_norm(x, None, weight, bias, EPS)
+    raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+
+
 def completing(call: Call, sample: Any) -> Call:
     """``call``, made to wait for its result when arrays like ``sample`` are asynchronous.
 

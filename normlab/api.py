@@ -55,11 +55,13 @@ def layer_norm(
         NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
             ArgumentError, BackendError).
     """
-    plan = spec.plan("layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out)
-    choice = dispatch.choose(plan, backend)
+    call = spec.validated(
+        "layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out
+    )
+    choice = dispatch.choose(call.plan, backend)
     if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
-        choice = autograd.through_graph(plan, choice)
-    return layout.run(plan, choice, x, weight, bias, out)
+        choice = autograd.through_graph(call.plan, choice)
+    return layout.run(call, choice, x, weight, bias, out)
 
 
 def rms_norm(
@@ -88,11 +90,13 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    plan = spec.plan("rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out)
-    choice = dispatch.choose(plan, backend)
+    call = spec.validated(
+        "rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out
+    )
+    choice = dispatch.choose(call.plan, backend)
     if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
-        choice = autograd.through_graph(plan, choice)
-    return layout.run(plan, choice, x, weight, None, out)
+        choice = autograd.through_graph(call.plan, choice)
+    return layout.run(call, choice, x, weight, None, out)
 
 
 def layer_norm_backward(
@@ -181,36 +185,35 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     except TypeError as exc:
         raise ArgumentError(f"explain(op={op!r}): {exc}") from None
     bound.apply_defaults()
-    call = bound.arguments
-    named = call["backend"]
-    x = call["x"]
+    arguments = bound.arguments
+    named = arguments["backend"]
+    x = arguments["x"]
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
-    bplan = None
     if op in BACKWARD_OPS:
-        bplan = spec.backward_plan(
+        call = spec.validated_backward(
             op,
-            call["dy"],
+            arguments["dy"],
             x,
-            call.get("mean"),
-            call["rstd"],
-            call["weight"],
-            call["normalized_shape"],
-            call["axis"],
-            call["needs"],
+            arguments.get("mean"),
+            arguments["rstd"],
+            arguments["weight"],
+            arguments["normalized_shape"],
+            arguments["axis"],
+            arguments["needs"],
         )
-        plan = bplan.plan
     else:
-        plan = spec.plan(
+        call = spec.validated(
             op,
             x,
-            call["normalized_shape"],
-            call["weight"],
-            call.get("bias"),
-            call["eps"],
-            call["axis"],
-            call["return_stats"],
-            call["out"],
+            arguments["normalized_shape"],
+            arguments["weight"],
+            arguments.get("bias"),
+            arguments["eps"],
+            arguments["axis"],
+            arguments["return_stats"],
+            arguments["out"],
         )
+    plan = call.plan
     lines.append(
         f"  x: {plan.dtype} {plan.shape} on {plan.device}"
         f"{', requires grad' if plan.requires_grad else ''}; normalized axes {plan.axes} "
@@ -236,14 +239,10 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         lines.append("  empty input: no kernel is launched")
         return "\n".join(lines)
     try:
-        if bplan is None:
-            copies = {"x": layout.route(plan, choice).copy_x}
+        if op in BACKWARD_OPS:
+            copies = {name: layout.copy_reason(name, call, choice.backend) for name in ("dy", "x")}
         else:
-            strides = {"dy": bplan.dy_strides, "x": plan.x_strides}
-            copies = {
-                name: layout.copy_reason(name, plan, s, name not in plan.non_native, choice.backend)
-                for name, s in strides.items()
-            }
+            copies = {"x": layout.route(call, choice).copy_x}
     except NormlabError as exc:
         lines.append(f"  the chosen backend cannot run: {exc}")
         return "\n".join(lines)
@@ -251,11 +250,11 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         lines.append(
             f"  layout: {f'copy of {name} — ' + reason if reason else f'no copy of {name}'}"
         )
-    converted = ", ".join(sorted(plan.non_native - copies.keys()))
+    converted = ", ".join(sorted(call.non_native - copies.keys()))
     if converted:
         lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
-    if plan.has_out:
-        how = "directly" if layout.route(plan, choice).out_direct else "through one temporary"
+    if call.has_out:
+        how = "directly" if layout.route(call, choice).out_direct else "through one temporary"
         lines.append(f"  out: written {how}")
     backend_notes = getattr(choice.backend.module, "explain", None)
     if backend_notes is not None:

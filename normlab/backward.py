@@ -13,8 +13,8 @@ mean on rows with a large offset. float16/bfloat16 are computed in float32 and `
 once. ``dweight``/``dbias`` are reduced deterministically: no atomics, no locks, and an order
 that depends on the shape alone (never on the thread count), so repeated runs are bitwise equal.
 
-:func:`normlab.spec.backward_plan` validates a call from the op table (:mod:`normlab.ops`) into
-a :class:`~normlab.spec.BackwardPlan`; :func:`gradients` runs it on the backend that
+:func:`normlab.spec.validated_backward` validates a call from the op table (:mod:`normlab.ops`) into
+a :class:`~normlab.spec.Layout`; :func:`gradients` runs it on the backend that
 :func:`normlab.dispatch.choose` picks, exactly as the forward ops are chosen (op names
 ``layer_norm_backward`` and ``rms_norm_backward``).
 
@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from normlab import autograd, dispatch, layout, spec
 from normlab.ops import BACKWARD_OPS, OPS
-from normlab.spec import BackwardPlan, Plan
+from normlab.spec import Layout, Plan
 
 __all__ = ["GRADIENTS", "gradients", "run"]
 
@@ -59,50 +59,49 @@ def run(
 ) -> tuple[Any, Any, Any]:
     """What the public backward functions return: ``(dx, dweight, dbias)``, with dweight and
     dbias in weight's dtype (x's dtype without weight); None for what is not in ``needs``."""
-    bplan = spec.backward_plan(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
-    dx, dweight, dbias = gradients(bplan, dy, x, mean, rstd, weight, backend)
+    call = spec.validated_backward(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
+    dx, dweight, dbias = gradients(call, dy, x, mean, rstd, weight, backend)
     like = x if weight is None else weight
-    return dx, _cast(dweight, like, bplan.plan.family), _cast(dbias, like, bplan.plan.family)
+    return dx, _cast(dweight, like, call.plan.family), _cast(dbias, like, call.plan.family)
 
 
 def gradients(
-    bplan: BackwardPlan, dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, backend: str | None
+    call: Layout, dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, backend: str | None
 ) -> tuple[Any, Any, Any]:
-    """Run ``bplan`` on the backend chosen for it (``backend``: a name, strict, or None).
+    """Run the backward ``call`` on the backend chosen for it (``backend``: a name, strict, or
+    None).
 
     Returns ``(dx, dweight, dbias)``: dx in x's shape and dtype; dweight and dbias of the
-    normalized shape in ``plan.compute_dtype``; None for what is not in ``bplan.needs``.
+    normalized shape in ``plan.compute_dtype``; None for what is not in ``call.needs``.
     """
-    p = bplan.plan
+    p = call.plan
     choice = autograd.through_graph(p, dispatch.choose(p, backend))
-    if not bplan.needs:
+    if not call.needs:
         return None, None, None
     if p.empty:
-        return _empty(bplan, x)
-    if p.non_native:  # dy and x are copied to rows below
+        return _empty(call, x)
+    if call.non_native:  # dy and x are copied to rows below
         mean, rstd, weight = layout.native(mean), layout.native(rstd), layout.native(weight)
-    copy_dy = layout.copy_reason(
-        "dy", p, bplan.dy_strides, "dy" not in p.non_native, choice.backend
-    )
-    copy_x = layout.copy_reason("x", p, p.x_strides, "x" not in p.non_native, choice.backend)
-    dy2 = layout.rows(dy, p, copy=copy_dy is not None)
-    x2 = layout.rows(x, p, copy=copy_x is not None)
+    copy_dy = layout.copy_reason("dy", call, choice.backend)
+    copy_x = layout.copy_reason("x", call, choice.backend)
+    dy2 = layout.rows(dy, call, copy=copy_dy is not None)
+    x2 = layout.rows(x, call, copy=copy_x is not None)
     rstd1 = rstd.reshape(p.rows)
     weight1 = layout.flat(weight, p)
     function = choice.backend.function(p.op)
     try:
         if p.op == "rms_norm_backward":
-            dx2, dweight = function(dy2, x2, rstd1, weight1, plan=p, needs=bplan.needs)
+            dx2, dweight = function(dy2, x2, rstd1, weight1, plan=p, needs=call.needs)
             dbias = None
         else:
             dx2, dweight, dbias = function(
-                dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=bplan.needs
+                dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=call.needs
             )
     except SystemExit as exc:  # a kernel's sys.exit() must not end the caller
         raise layout.kernel_failure(choice.backend, p.op, exc) from exc
     dx = None
     if dx2 is not None:
-        dx = layout.from_rows(dx2, p.family, bplan.permuted_shape, bplan.inverse)
+        dx = layout.from_rows(dx2, p.family, call.permuted_shape, call.inverse)
     return dx, _unflat(dweight, p), _unflat(dbias, p)
 
 
@@ -121,17 +120,17 @@ def _cast(g: Any, like: Any, family: str) -> Any:
     return g.astype(like.dtype)
 
 
-def _empty(bplan: BackwardPlan, x: Any) -> tuple[Any, Any, Any]:
+def _empty(call: Layout, x: Any) -> tuple[Any, Any, Any]:
     """No rows or no columns: an empty dx and zero sums; no kernel is launched."""
     import array_api_compat
 
-    p = bplan.plan
+    p = call.plan
     xp = array_api_compat.array_namespace(x)
     device = array_api_compat.device(x)
     dtype = getattr(xp, p.compute_dtype)
-    dx = xp.empty_like(x) if "x" in bplan.needs else None
+    dx = xp.empty_like(x) if "x" in call.needs else None
     dweight, dbias = (
-        xp.zeros(p.normalized_shape, dtype=dtype, device=device) if name in bplan.needs else None
+        xp.zeros(p.normalized_shape, dtype=dtype, device=device) if name in call.needs else None
         for name in ("weight", "bias")
     )
     return dx, dweight, None if p.op == "rms_norm_backward" else dbias

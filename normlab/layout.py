@@ -17,7 +17,7 @@ from typing import Any
 from normlab.dispatch import Choice
 from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
-from normlab.spec import Aliasing, Plan, output_aliasing, split_out
+from normlab.spec import Aliasing, Layout, Plan, output_aliasing, split_out
 
 __all__ = [
     "Route",
@@ -58,14 +58,14 @@ def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: 
     return unit_cols and (row == plan.cols or plan.rows == 1)
 
 
-def copy_reason(
-    name: str, plan: Plan, strides: tuple[int, int] | None, native: bool, backend: Backend
-) -> str | None:
+def copy_reason(name: str, call: Layout, backend: Backend) -> str | None:
     """Why the x-like input ``name`` (x, dy, …) must be copied to C-contiguous rows for
     ``backend``, or None when the backend reads it as it is (families without strides: never)."""
+    plan = call.plan
     if plan.family not in ("numpy", "cupy", "torch"):
         return None
-    if not native:
+    strides = call.strides[name]
+    if name in call.non_native:
         return f"{name} has non-native byte order"
     if strides is None:
         return f"{name}'s batch or normalized axes cannot be viewed as 2-D rows without a copy"
@@ -74,44 +74,42 @@ def copy_reason(
     return None
 
 
-def route(plan: Plan, choice: Choice) -> Route:
-    """The :class:`Route` of ``plan`` on the chosen backend (cached on the plan)."""
+def route(call: Layout, choice: Choice) -> Route:
+    """The :class:`Route` of ``call`` on the chosen backend (cached on the Layout)."""
     backend = choice.backend
-    cached = plan.routes.get(backend)
+    cached = call.routes.get(backend)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
+    plan = call.plan
     caps = backend.capabilities
-    copy_x = copy_reason("x", plan, plan.x_strides, plan.x_native, backend)
-    order = plan.permutation
-    inverse = None if order is None else tuple(order.index(a) for a in range(len(order)))
-    permuted = plan.shape if order is None else tuple(plan.shape[a] for a in order)
+    copy_x = copy_reason("x", call, backend)
     result = Route(
         function=backend.function(plan.op),
         direct=(
             copy_x is None
-            and order is None
+            and call.permutation is None
             and len(plan.axes) == 1
             and plan.shape == (plan.rows, plan.cols)
-            and not plan.has_out
+            and not call.has_out
             and not plan.return_stats
             and not plan.empty
-            and not plan.non_native
+            and not call.non_native
         ),
         copy_x=copy_x,
         # with an input that requires grad, the core copies the result into out (recorded by
         # autograd): a backend writing out itself would leave the graph
         out_direct=(
-            plan.has_out
+            call.has_out
             and not plan.requires_grad
             and "out" in caps
-            and _reads(caps, plan.out_strides, plan)
+            and _reads(caps, call.out_strides, plan)
         ),
         inplace_ok="inplace" in caps,
-        inverse=inverse,
-        permuted_shape=permuted,
+        inverse=call.inverse,
+        permuted_shape=call.permuted_shape,
         stats_permuted_shape=tuple(plan.shape[a] for a in plan.batch_axes) + (1,) * len(plan.axes),
     )
-    plan.routes[backend] = result
+    call.routes[backend] = result
     return result
 
 
@@ -167,11 +165,12 @@ def _mark_written(a: Any, family: str) -> None:
         sys.modules["torch"].autograd.graph.increment_version(a)
 
 
-def rows(a: Any, plan: Plan, copy: bool) -> Any:
+def rows(a: Any, call: Layout, copy: bool) -> Any:
     """The x-like array ``a`` (x, dy, out, …) as the 2-D ``(rows, cols)`` view a backend reads:
     batch axes first; a C-contiguous copy when ``copy`` (see :func:`copy_reason`)."""
-    if plan.permutation is not None:
-        a = _permute(a, plan.family, plan.permutation)
+    plan = call.plan
+    if call.permutation is not None:
+        a = _permute(a, plan.family, call.permutation)
     if copy:
         a = _contiguous(a, plan.family)
     return a.reshape(plan.rows, plan.cols)
@@ -196,17 +195,17 @@ def flat(p: Any, plan: Plan) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
+def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
     """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
-    r = plan.routes.get(choice.backend)
+    r = call.routes.get(choice.backend)
     try:
         if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
-            return r.function(x, weight, bias, plan=plan, out=None)[0]
-        return _run(plan, choice, r, x, weight, bias, out)
+            return r.function(x, weight, bias, plan=call.plan, out=None)[0]
+        return _run(call, choice, r, x, weight, bias, out)
     except NormlabError:
         raise
     except (Exception, SystemExit) as exc:  # a kernel's sys.exit() must not end the caller
-        raise kernel_failure(choice.backend, plan.op, exc) from exc
+        raise kernel_failure(choice.backend, call.plan.op, exc) from exc
 
 
 def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendError:
@@ -218,9 +217,10 @@ def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendErro
 
 
 def _run(
-    plan: Plan, choice: Choice, r: Route | None, x: Any, weight: Any, bias: Any, out: Any
+    call: Layout, choice: Choice, r: Route | None, x: Any, weight: Any, bias: Any, out: Any
 ) -> Any:
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
+    plan = call.plan
     out_y, out_mean, out_rstd = split_out(plan.op, out)
     aliasing: Aliasing = "separate"
     if out is not None:
@@ -229,18 +229,18 @@ def _run(
             {"x": x, "weight": weight, "bias": bias},
             {"y": out_y, "mean": out_mean, "rstd": out_rstd},
         )
-    if plan.non_native:  # x itself is copied by the route (copy_x)
+    if call.non_native:  # x itself is copied by the route (copy_x)
         weight, bias = native(weight), native(bias)
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:
-        r = r or route(plan, choice)
-        x2 = rows(x, plan, copy=r.copy_x is not None)
+        r = r or route(call, choice)
+        x2 = rows(x, call, copy=r.copy_x is not None)
         backend_out = None
         if out_y is not None and r.out_direct and aliasing != "temporary":
             in_place = aliasing == "in_place" and r.copy_x is None
             if not in_place or r.inplace_ok:
-                backend_out = rows(out_y, plan, copy=False)
+                backend_out = rows(out_y, call, copy=False)
         y2, mean1, rstd1 = r.function(
             x2, flat(weight, plan), flat(bias, plan), plan=plan, out=backend_out
         )

@@ -14,7 +14,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 from normlab import arrays
@@ -28,9 +28,8 @@ __all__ = [
     "FLOAT_DTYPES",
     "HALF_DTYPES",
     "Aliasing",
-    "BackwardPlan",
+    "Layout",
     "Plan",
-    "backward_plan",
     "non_native",
     "output_aliasing",
     "plan",
@@ -38,6 +37,8 @@ __all__ = [
     "split_out",
     "stats_dtype_for",
     "stats_names",
+    "validated",
+    "validated_backward",
 ]
 
 _PLAN_CACHE_SIZE: Final = 4096
@@ -92,22 +93,44 @@ def _collapsed_stride(dims: list[tuple[int, int]], default: int) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class BackwardPlan:
-    """A validated backward call: the :class:`Plan` a backend sees (``op`` is the backward op;
-    ``eps`` is unused), ``dy``'s layout, and the gradients asked for."""
+class Layout:
+    """How the core runs one validated call, for any op (core-only: backends see ``plan``).
+
+    The caller's arrays are viewed with the batch axes first and the normalized axes last
+    (``permutation``, None when that is already the order), then as 2-D ``(rows, cols)``.
+    ``strides`` maps each x-like input (x, dy, …) to the element strides ``(row, col)`` of that
+    view, or None when no such view exists (a copy is needed); ``out_strides`` likewise for
+    ``out``. ``non_native`` names the inputs in non-native byte order (the core hands backends
+    native copies). ``needs``: the gradients a backward call asks for. ``routes`` caches, per
+    backend, how this call runs on it (:func:`normlab.layout.route`).
+    """
 
     plan: Plan
-    dy_strides: tuple[int, int] | None
-    needs: frozenset[str]
-    permuted_shape: tuple[int, ...]
+    permutation: tuple[int, ...] | None
     inverse: tuple[int, ...] | None
+    permuted_shape: tuple[int, ...]
+    strides: dict[str, tuple[int, int] | None]
+    non_native: frozenset[str]
+    has_out: bool
+    out_strides: tuple[int, int] | None
+    out_stats: tuple[bool, bool]
+    needs: frozenset[str] = frozenset()
+    routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def x_strides(self) -> tuple[int, int] | None:
+        return self.strides["x"]
+
+    @property
+    def x_native(self) -> bool:
+        return "x" not in self.non_native
 
 
 #: Plans of every op, keyed by the op's name and its arguments' metadata.
 _cache: dict[tuple[Any, ...], Any] = {}
 
 
-def plan(
+def validated(
     op: str,
     x: Any,
     normalized_shape: Any,
@@ -117,9 +140,9 @@ def plan(
     axis: Any,
     return_stats: Any,
     out: Any,
-) -> Plan:
-    """Validate a forward call and return its :class:`Plan` (cached by the arguments'
-    metadata)."""
+) -> Layout:
+    """Validate a forward call and return its :class:`Layout` (cached by the arguments'
+    metadata; a repeated call costs one dictionary lookup)."""
     if eps is not None and type(eps) is not float and arrays.is_array(eps):
         eps = _eps_from_array(eps)
     key: tuple[Any, ...] | None
@@ -143,13 +166,29 @@ def plan(
     except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
         key, cached = None, None
     if cached is not None:
-        return cast("Plan", cached)
+        return cast("Layout", cached)
     result = _validate(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out)
     _remember(key, result)
     return result
 
 
-def backward_plan(
+def plan(
+    op: str,
+    x: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    axis: Any,
+    return_stats: Any,
+    out: Any,
+) -> Plan:
+    """The :class:`Plan` a backend receives for a forward call (tests and tools drive backends
+    with it)."""
+    return validated(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out).plan
+
+
+def validated_backward(
     op: str,
     dy: Any,
     x: Any,
@@ -159,8 +198,8 @@ def backward_plan(
     normalized_shape: Any,
     axis: Any,
     needs: Any,
-) -> BackwardPlan:
-    """Validate a backward call and return its :class:`BackwardPlan` (cached as :func:`plan`)."""
+) -> Layout:
+    """Validate a backward call and return its :class:`Layout` (cached as :func:`validated`)."""
     key: tuple[Any, ...] | None
     try:
         key = (
@@ -175,7 +214,7 @@ def backward_plan(
     except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
         key, cached = None, None
     if cached is not None:
-        return cast("BackwardPlan", cached)
+        return cast("Layout", cached)
     result = _validate_backward(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
     _remember(key, result)
     return result
@@ -230,14 +269,14 @@ def _validate(
     axis: Any,
     return_stats: Any,
     out: Any,
-) -> Plan:
-    """A forward call's :class:`Plan`."""
+) -> Layout:
+    """A forward call's :class:`Layout`."""
     if op not in FORWARD_OPS:
         raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(FORWARD_OPS)}")
     if "bias" not in OPS[op].per_feature and bias is not None:
         raise ArgumentError(f"{op} takes no bias (y = x / sqrt(mean(x^2) + eps) * weight)")
     inputs = {"x": x, "weight": weight, "bias": bias}
-    return _validate_call(op, inputs, normalized_shape, axis, eps, return_stats, out, None)[0]
+    return _validate_call(op, inputs, normalized_shape, axis, eps, return_stats, out, frozenset())
 
 
 def _validate_backward(
@@ -250,21 +289,13 @@ def _validate_backward(
     normalized_shape: Any,
     axis: Any,
     needs: Any,
-) -> BackwardPlan:
-    """A backward call's :class:`BackwardPlan`."""
+) -> Layout:
+    """A backward call's :class:`Layout`."""
     if op not in BACKWARD_OPS:
         raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(BACKWARD_OPS)}")
     wanted = _check_needs(op, needs)
     inputs = {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "weight": weight}
-    p, strides = _validate_call(op, inputs, normalized_shape, axis, 0.0, False, None, wanted)
-    order = p.batch_axes + p.axes
-    return BackwardPlan(
-        plan=p,
-        dy_strides=strides["dy"],
-        needs=wanted,
-        permuted_shape=tuple(p.shape[a] for a in order),
-        inverse=None if p.permutation is None else tuple(order.index(a) for a in range(len(order))),
-    )
+    return _validate_call(op, inputs, normalized_shape, axis, 0.0, False, None, wanted)
 
 
 def _validate_call(
@@ -275,10 +306,10 @@ def _validate_call(
     eps: Any,
     return_stats: Any,
     out: Any,
-    needs: frozenset[str] | None,
-) -> tuple[Plan, dict[str, tuple[int, int] | None]]:
+    needs: frozenset[str],
+) -> Layout:
     """The rules of the op table for ``op``: x first, then every other input by its role, then
-    eps, return_stats and out. Returns the plan and the 2-D strides of each x-like input."""
+    eps, return_stats and out."""
     table = OPS[op]
     x = inputs["x"]
     xi = _array_info("x", x)
@@ -340,16 +371,23 @@ def _validate_call(
         eps=eps_value,
         return_stats=return_stats,
         requires_grad=requires_grad,
+    )
+    result = Layout(
+        plan=plan,
         permutation=permutation_or_none,
-        x_strides=strides["x"],
-        x_native=xi.native_byte_order,
+        inverse=None
+        if permutation_or_none is None
+        else tuple(permutation.index(a) for a in range(xi.ndim)),
+        permuted_shape=tuple(xi.shape[a] for a in permutation),
+        strides=strides,
+        non_native=non_native(**inputs),
         has_out=out_y is not None,
         out_strides=out_strides,
         out_stats=out_stats,
-        dispatch_key=(op, xi.family, xi.device_kind, xi.dtype, requires_grad),
-        non_native=non_native(**inputs),
+        needs=needs,
     )
-    return plan, strides
+    object.__setattr__(plan, "_layout", result)  # for Plan's deprecated routing fields
+    return result
 
 
 def _check_needs(op: str, needs: Any) -> frozenset[str]:

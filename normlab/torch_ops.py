@@ -32,7 +32,7 @@ __all__ = ["InGraph", "in_graph", "row_plan"]
 
 Tensor = torch.Tensor
 
-#: Row plans kept by :func:`row_plan` (one per op, dtype, device, size, strides and eps).
+#: Row plans kept by :func:`row_plan` (one per op, dtype, device, size and eps).
 _ROW_PLANS: Final = 1024
 
 
@@ -52,7 +52,6 @@ def _cached_row_plan(
     device_kind: str,
     rows: int,
     cols: int,
-    strides: tuple[int, int],
     weight_dtype: str | None,
     bias_dtype: str | None,
     eps: float,
@@ -77,13 +76,6 @@ def _cached_row_plan(
         eps=eps,
         return_stats=not op.endswith("_backward"),  # the backward op needs mean and rstd
         requires_grad=False,  # the backend sees detached tensors
-        permutation=None,
-        x_strides=strides,
-        x_native=True,
-        has_out=False,
-        out_strides=None,
-        out_stats=(False, False),
-        dispatch_key=(op, "torch", device_kind, dtype, False),
     )
 
 
@@ -100,7 +92,6 @@ def row_plan(
         x.device.type,
         rows,
         cols,
-        (x.stride(0), x.stride(1)),
         _dtype(weight),
         _dtype(bias),
         eps,

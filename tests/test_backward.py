@@ -561,12 +561,15 @@ def test_dispatch_follows_the_forward_rules(no_preference: None) -> None:
     """NumPy arrays: the highest-priority backend providing the op; a named backend strictly."""
     x = _x((4, 8), "float32")
     _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
-    bplan = spec.backward_plan("layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",))
+    call = spec.validated_backward(
+        "layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",)
+    )
+    plan = call.plan
     providers = [
         b for b in normlab.list_backends()
         if "layer_norm_backward" in b.ops and "numpy" in b.families and b.available
     ]  # fmt: skip
-    assert dispatch.choose(bplan.plan).backend is providers[0]
+    assert dispatch.choose(plan).backend is providers[0]
     with pytest.raises(normlab.BackendError, match="torch"):
         normlab.layer_norm_backward(x, x, mean, rstd, backend="torch")
 
