@@ -36,8 +36,8 @@ def backend(request: pytest.FixtureRequest) -> str | None:
 @contextlib.contextmanager
 def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[str]]:
     """Count the caller's calls (``normlab.layer_norm``/``rms_norm``, as the modules call them,
-    outside any call already running), entries into validation (``spec.plan``,
-    ``spec.backward_plan``) and dispatch (``dispatch.choose``), and those entered again while
+    outside any call already running), entries into validation (``spec.validated``,
+    ``spec.validated_backward``) and dispatch (``dispatch.choose``), and those entered again while
     ``layout.run`` runs a call (a backend or an op going back through the public API)."""
     counts: collections.Counter[str] = collections.Counter()
     running = [0]
@@ -65,8 +65,8 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[collections.Counter[st
 
     caller("layer_norm")
     caller("rms_norm")
-    counted(spec, "plan")
-    counted(spec, "backward_plan")
+    counted(spec, "validated")
+    counted(spec, "validated_backward")
     counted(dispatch, "choose")
     run = layout.run
 
@@ -108,7 +108,7 @@ def test_eager_forward_and_backward_validate_and_dispatch_once(
     with counting(monkeypatch) as counts:
         y = model(x)
         y.backward(torch.ones_like(y))
-    assert counts == {"call": 1, "plan": 1, "choose": 1}  # the backward op: neither again
+    assert counts == {"call": 1, "validated": 1, "choose": 1}  # the backward op: neither again
     assert x.grad is not None and model.norm.weight.grad is not None
 
 
@@ -119,7 +119,7 @@ def test_eager_functional_call_with_stats(monkeypatch: pytest.MonkeyPatch) -> No
     with counting(monkeypatch) as counts:
         y, mean, rstd = normlab.layer_norm(x, (2, 8), w, backend="numba", return_stats=True)
         (y * y).sum().backward()
-    assert counts == {"call": 1, "plan": 1, "choose": 1}
+    assert counts == {"call": 1, "validated": 1, "choose": 1}
     assert y.grad_fn is not None and not mean.requires_grad and not rstd.requires_grad
     x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     want = torch.nn.functional.layer_norm(x64, (2, 8), w64)
@@ -136,7 +136,7 @@ def test_backward_op_on_tensors_that_require_grad_dispatches_once(
     _, mean, rstd = normlab.layer_norm(x.detach(), return_stats=True)
     with counting(monkeypatch) as counts:
         dx, _, _ = normlab.layer_norm_backward(dy, x, mean, rstd, backend="numba", needs=("x",))
-    assert counts == {"backward_plan": 1, "choose": 1}
+    assert counts == {"validated_backward": 1, "choose": 1}
     assert dx.grad_fn is not None  # in the graph, as a leaf op (no double backward)
 
 
@@ -164,7 +164,7 @@ def test_torch_compile_validates_once_per_trace_and_never_at_run_time(
     with torch.set_grad_enabled(grad), counting(monkeypatch) as counts:
         y = compiled(x)
     passes = counts["call"]  # torch runs the module's node once per pass (metadata, joint…)
-    assert passes >= 1 and counts == {"call": passes, "plan": passes, "choose": passes}
+    assert passes >= 1 and counts == {"call": passes, "validated": passes, "choose": passes}
     with torch.set_grad_enabled(grad), counting(monkeypatch) as again:
         y_again = compiled(x)
         if grad:
@@ -185,7 +185,7 @@ def test_torch_export_validates_once(
         program = torch.export.export(model, (x,), strict=strict)
     passes = counts["call"]  # strict: dynamo's pass, then the export trace
     assert passes == (2 if strict else 1)
-    assert counts == {"call": passes, "plan": passes, "choose": passes}
+    assert counts == {"call": passes, "validated": passes, "choose": passes}
     targets = {str(node.target) for node in program.graph.nodes}
     assert ("normlab.layer_norm.default" in targets) == (backend == "numba")
     with counting(monkeypatch) as again:
