@@ -1267,7 +1267,7 @@ def test_torch_half_x_with_a_lone_float32_bias_backpropagates(dtype: str) -> Non
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_out_with_a_parameter_requiring_grad_keeps_the_graph(backend: str) -> None:
     """``out=`` with a bias that requires grad: the core copies the result into out, in the
-    graph (numba refused the call with a BackendError, though its record claims autograd)."""
+    graph (numba once refused the call with a BackendError)."""
     if not registry.get(backend).available:
         pytest.skip(f"backend {backend!r} is unavailable here")
     x = torch.randn(3, 4, dtype=torch.float16)
