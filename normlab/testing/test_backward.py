@@ -34,7 +34,8 @@ from normlab.backward import GRADIENTS
 from normlab.spec import FLOAT_DTYPES, HALF_DTYPES, stats_dtype_for
 from normlab.testing import strategies
 from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
-from normlab.testing.cases import OPS, Case, numpy_dtype
+from normlab.testing.cases import OPS, Case
+from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
 
 #: Central differences: the step is this times (1 + |value|); a gradient may differ from the
