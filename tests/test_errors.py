@@ -56,6 +56,14 @@ def test_bad_input(lib: Backend, op: str, bad: str) -> None:
     assert {k: lib.to_numpy(v).tobytes() for k, v in arrays.items()} == before
 
 
+def test_backend_names_that_are_not_strings() -> None:
+    x = np.ones((2, 3), np.float32)
+    for name in (["numpy"], {"numpy": 1}, 3):
+        with pytest.raises(normlab.BackendError, match="unknown backend"):
+            normlab.layer_norm(x, backend=name)
+        assert "unknown backend" in normlab.explain(x, backend=name)
+
+
 @pytest.mark.parametrize(
     "x", [[[1.0, 2.0]], 1.5, None, "x", (1.0, 2.0)], ids=["list", "float", "None", "str", "tuple"]
 )

@@ -176,7 +176,8 @@ def numpy_layout(a: np.ndarray, layout: str) -> np.ndarray:
     """``a`` re-laid out in NumPy memory: any of :data:`LAYOUTS` and :data:`NUMPY_LAYOUTS`
     (a layout a's dtype cannot have, say another byte order of bool, leaves ``a`` as it is)."""
     if layout == "swapped":
-        return a.astype(a.dtype.newbyteorder()) if a.dtype.itemsize > 1 else a
+        swappable = a.dtype.kind in "fciu" and a.dtype.itemsize > 1
+        return a.astype(a.dtype.newbyteorder()) if swappable else a
     if layout == "readonly":
         frozen = a.copy()
         frozen.flags.writeable = False
