@@ -48,7 +48,6 @@ from workloads import (
     make_input,
     make_params,
     moved_bytes,
-    numpy_dtype,
     reference_call,
 )
 
@@ -56,6 +55,7 @@ import normlab
 from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 if TYPE_CHECKING:
     from conftest import MatrixState
