@@ -51,6 +51,7 @@ with atheris.instrument_imports(include=["normlab"], exclude=KERNELS):
 
 # Imported after the instrumented block: the test helpers are not what is fuzzed.
 from normlab.testing.conversions import (  # noqa: E402
+    NUMPY_LAYOUTS,
     arrange,
     conversion,
     dtype_name,
@@ -65,18 +66,7 @@ ODD_DTYPES: Final = {
     "numpy": ("int32", "bool", "complex64", "object", "longdouble"),
     "torch": ("int32", "bool", "complex64"),
 }
-LAYOUTS: Final = (
-    "c",
-    "fortran",
-    "sliced",
-    "reversed",
-    "broadcast",
-    "swapped",
-    "readonly",
-    "unaligned",
-    "odd_strides",
-    "scalar",
-)
+LAYOUTS: Final = ("c", "fortran", "sliced", "reversed", "broadcast", *NUMPY_LAYOUTS, "scalar")
 NAMES: Final = ("numpy", "numba", "torch")
 ODD_NAMES: Final = ("cupy", "no_such_backend", 7, ("numpy",))
 ODD_VALUES: Final = (

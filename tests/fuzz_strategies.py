@@ -19,6 +19,7 @@ from fuzz_model import FLOATS, HALF, Backward, Forward, Param
 from hypothesis import strategies as st
 
 from normlab.constants import MACHINE_EPS
+from normlab.testing import conversions
 
 NOT_FLOATS: Final = {
     "numpy": ("int32", "bool", "complex64", "longdouble", "object", "datetime64[s]"),
@@ -26,16 +27,8 @@ NOT_FLOATS: Final = {
 }
 LAYOUTS: Final = {
     "numpy": (
-        "c",
-        "fortran",
-        "transposed",
-        "sliced",
-        "reversed",
-        "broadcast",
-        "swapped",
-        "readonly",
-        "unaligned",
-        "odd_strides",
+        *(layout for layout in conversions.LAYOUTS if layout != "padded"),
+        *conversions.NUMPY_LAYOUTS,
     ),
     "torch": ("c", "fortran", "transposed", "sliced", "broadcast"),
 }
