@@ -114,7 +114,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     profile = config.getoption("normlab_profile")
     for name in names:
-        config.pluginmanager.register(Report(name, profile, json_path), f"normlab-report-{name}")
+        report = Report(name, profile, json_path, family)
+        config.pluginmanager.register(report, f"normlab-report-{name}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
