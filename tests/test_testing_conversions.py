@@ -4,6 +4,8 @@ explicitly (``--normlab-arrays``, ``check(arrays=)``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -110,3 +112,22 @@ def test_the_suite_runs_numba_on_torch_tensors() -> None:
 
 def test_the_suite_refuses_a_family_the_backend_does_not_serve() -> None:
     assert testing.check("numpy", arrays="torch", extra_pytest_args=["-q"]) == 4  # usage error
+
+
+def test_driven_arrays_move_to_the_backend_device(register: Any) -> None:
+    """A backend whose record lists a device other than the CPU (``meta`` here, ``cuda`` for
+    cupy) gets the family's arrays on that device; they read back through the family's owner."""
+    from plugins_for_tests import record
+
+    register(
+        record("ondevice", devices=frozenset({"meta"}), explicit_families=frozenset({"torch"}))
+    )
+    drive("ondevice", "torch")
+    try:
+        made = conversion("ondevice").from_numpy(X)
+        assert isinstance(made, torch.Tensor) and made.device.type == "meta"
+        assert conversion("ondevice").family == "torch"
+        cpu = conversion("ondevice").to_numpy(torch.from_numpy(X))
+        np.testing.assert_array_equal(cpu, X)
+    finally:
+        drive("ondevice", None)
