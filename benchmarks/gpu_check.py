@@ -295,6 +295,8 @@ def _backward_call(
 
 @dataclass(frozen=True)
 class Timing:
+    """Median seconds of each contender (``normlab``, ``torch``, ``copy``) at one size."""
+
     op: str
     dtype: str
     rows: int
@@ -387,12 +389,8 @@ def bench_table(timings: list[Timing]) -> str:
 
 
 @dataclass(frozen=True)
-class BackwardTiming:
-    op: str
-    dtype: str
-    rows: int
-    hidden: int
-    seconds: dict[str, float]
+class BackwardTiming(Timing):
+    """The timings of a backward op: the same fields, other bytes."""
 
     @property
     def bytes(self) -> int:
@@ -401,9 +399,6 @@ class BackwardTiming:
         itemsize = numpy_dtype(self.dtype).itemsize
         gradients = 1 if self.op == "rms_norm" else 2
         return (3 * self.rows + 1 + gradients) * self.hidden * itemsize
-
-    def gbps(self, what: str) -> float:
-        return self.bytes / self.seconds[what] / 1e9
 
 
 def bench_backward(dev: Device) -> list[BackwardTiming]:
