@@ -52,7 +52,6 @@ from workloads import (
     make_input,
     make_params,
     moved_bytes,
-    numpy_dtype,
     reference_call,
 )
 
@@ -60,6 +59,7 @@ import normlab
 from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 if TYPE_CHECKING:
     from conftest import MatrixState

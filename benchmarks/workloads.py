@@ -33,6 +33,7 @@ import numpy as np
 
 import normlab
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 __all__ = [
     "EPS",
@@ -45,7 +46,6 @@ __all__ = [
     "make_input",
     "make_params",
     "moved_bytes",
-    "numpy_dtype",
     "reference_call",
     "torch_forward",
 ]
@@ -64,15 +64,6 @@ LIMITS: Final = ("copy", "copyto")
 _CHUNK_ELEMENTS: Final = 1 << 20
 
 Call = Callable[[], Any]
-
-
-def numpy_dtype(name: str) -> np.dtype[Any]:
-    """The NumPy dtype called ``name`` (bfloat16 through ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def make_input(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:

@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a backend unavailable here (no device, library missing): skip its tests, exit 0",
     )
     check.add_argument(
+        "--arrays",
+        metavar="FAMILY",
+        help="drive the backend with FAMILY arrays, which its record serves explicitly, on its "
+        "device (cupy: --arrays torch tests CUDA tensors)",
+    )
+    check.add_argument(
         "--json", metavar="FILE", help="also write every test's result to FILE as JSON"
     )
     check.add_argument(
@@ -351,6 +357,7 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
         ns.name,
         profile=ns.profile,
         allow_unavailable=ns.allow_unavailable,
+        arrays=ns.arrays,
         json_path=ns.json,
         extra_pytest_args=(*short, *pytest_args),
     )

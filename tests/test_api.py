@@ -9,13 +9,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import normlab
 from normlab import reference
+from normlab.constants import FLOAT_DTYPES
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 torch = pytest.importorskip("torch")
 
@@ -211,19 +212,13 @@ def test_onnx_axis_k_is_the_axes_k_to_end(lib: Backend, k: int) -> None:
 # --------------------------------------------------------------------------------------------
 # Statistics, dtypes, parameters
 
-_NUMPY_DTYPES = {
-    "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-    "float64": np.float64,
-}
 _TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-10}
 
 
-@pytest.mark.parametrize("dtype", list(_NUMPY_DTYPES))
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
 @pytest.mark.parametrize("axis", [-1, (0, 2)])
 def test_return_stats(lib: Backend, dtype: str, axis: Any) -> None:
-    x = _x(2, 3, 8, dtype=_NUMPY_DTYPES[dtype])
+    x = _x(2, 3, 8, dtype=numpy_dtype(dtype))
     xl = lib.from_numpy(x)
     y, mean, rstd = normlab.layer_norm(xl, axis=axis, return_stats=True)
     stats_dtype = "float64" if dtype == "float64" else "float32"
@@ -251,9 +246,9 @@ _PARAM_DTYPES = [
 def test_parameters_in_x_dtype_or_float32_for_half(
     lib: Backend, x_dtype: str, param_dtype: str
 ) -> None:
-    x = _x(3, 8, dtype=_NUMPY_DTYPES[x_dtype])
-    w = _x(8, dtype=_NUMPY_DTYPES[param_dtype])
-    b = _x(8, dtype=_NUMPY_DTYPES[param_dtype])
+    x = _x(3, 8, dtype=numpy_dtype(x_dtype))
+    w = _x(8, dtype=numpy_dtype(param_dtype))
+    b = _x(8, dtype=numpy_dtype(param_dtype))
     y = normlab.layer_norm(lib.from_numpy(x), weight=lib.from_numpy(w), bias=lib.from_numpy(b))
     assert str(y.dtype).removeprefix("torch.") == x_dtype
     _close(y, reference.layer_norm(x, weight=w, bias=b)[0], lib, tol=_TOL[x_dtype] * 4)
@@ -267,8 +262,8 @@ def test_half_x_with_mixed_parameters(
     lib: Backend, w_dtype: str | None, b_dtype: str | None
 ) -> None:
     x = _x(3, 8, dtype=np.float16)
-    w = None if w_dtype is None else _x(8, dtype=_NUMPY_DTYPES[w_dtype])
-    b = None if b_dtype is None else _x(8, dtype=_NUMPY_DTYPES[b_dtype])
+    w = None if w_dtype is None else _x(8, dtype=numpy_dtype(w_dtype))
+    b = None if b_dtype is None else _x(8, dtype=numpy_dtype(b_dtype))
     y = normlab.layer_norm(
         lib.from_numpy(x),
         weight=None if w is None else lib.from_numpy(w),

@@ -17,7 +17,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from test_cuda_kernels import _FakeArray, _host_view
@@ -37,15 +36,10 @@ from normlab.backends.cuda_launch import (
 )
 from normlab.constants import FLOAT_DTYPES
 from normlab.errors import BackendError
+from normlab.testing.conversions import numpy_dtype
 
 ALIGNED = [0x7F0000000000, 0x7F0000100000, 0x7F0000200000, None]  # dy, x, dx, weight
 SOURCE = (cuda_compile.KERNEL_DIR / "backward.cu").read_text()
-NUMPY_DTYPES = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-}
 FORWARD_OP = {"layer_norm_backward": "layer_norm", "rms_norm_backward": "rms_norm"}
 
 
@@ -256,7 +250,7 @@ class _FakeBackwardKernel:
         return _host_view(at, 1, n, 0, self.acc)[0]
 
     def _inputs(self, a: dict[str, int]) -> tuple[np.ndarray, ...]:
-        rows, cols, dtype = a["rows"], a["cols"], NUMPY_DTYPES[self.spec.dtype]
+        rows, cols, dtype = a["rows"], a["cols"], numpy_dtype(self.spec.dtype)
         dy = _host_view(a["DY"], rows, cols, a["dy_row_stride"], dtype).astype(self.acc)
         x = np.zeros_like(dy)
         if a["X"]:
@@ -271,7 +265,7 @@ class _FakeBackwardKernel:
         rstd = self._vector(a["Rstd"], rows)[:, None]
         w = np.ones(cols, self.acc)
         if a["W"]:
-            w = _host_view(a["W"], 1, cols, 0, NUMPY_DTYPES[self.spec.param_dtype])[0]
+            w = _host_view(a["W"], 1, cols, 0, numpy_dtype(self.spec.param_dtype))[0]
         d, g, n = x - mean[:, None], dy * w.astype(self.acc), self.acc.type(cols)
         if self.centre:
             res = (d.sum(axis=1, dtype=self.acc) / n)[:, None]
@@ -286,7 +280,7 @@ class _FakeBackwardKernel:
             self._vector(a["Res"], rows)[...] = res[:, 0]
         if a["DX"]:
             dx = rstd * (g - mean_g - (d - res) * rstd * mean_gx)
-            dtype = NUMPY_DTYPES[self.spec.dtype]
+            dtype = numpy_dtype(self.spec.dtype)
             _host_view(a["DX"], rows, cols, a["dx_row_stride"], dtype)[...] = dx.astype(dtype)
 
     def _partials(self, a: dict[str, int], grid: tuple[int, ...]) -> None:
@@ -433,11 +427,11 @@ def test_the_backward_launches_give_the_gradients(
 
     rows, cols = 70, 24  # three chunks, the last one short
     rng = np.random.default_rng(5)
-    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(NUMPY_DTYPES[dtype])
-    dy = rng.standard_normal((rows, cols)).astype(NUMPY_DTYPES[dtype])
+    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(numpy_dtype(dtype))
+    dy = rng.standard_normal((rows, cols)).astype(numpy_dtype(dtype))
     if layout == "broadcast dy":
         dy = np.broadcast_to(dy[0], (rows, cols))
-    w = None if weight is None else (1 + rng.standard_normal(cols)).astype(NUMPY_DTYPES[weight])
+    w = None if weight is None else (1 + rng.standard_normal(cols)).astype(numpy_dtype(weight))
     want, mean, rstd = _oracle(op, dy, x, w)
     x_in, dy_in = _layout(x, layout), dy if layout == "broadcast dy" else _layout(dy, layout)
     before = (x_in.copy(), dy_in.copy())
