@@ -1,0 +1,195 @@
+"""The float16 and bfloat16 conversions on both paths: CPU instructions and bit patterns.
+
+Every 16-bit pattern of both types is widened to float32 and narrowed back, and float32 values
+around every half value (exact ties, one unit either side, overflow and subnormal ranges) are
+narrowed, each compared with NumPy's and ml_dtypes' casts (round to nearest, ties to even):
+equal bit for bit for every non-NaN value, subnormals included; a NaN stays a NaN of its sign
+(its payload may change on the instruction path, docs/contract.md). The path is chosen at import
+from the CPU Numba compiles for, so each CPU is emulated in a subprocess with
+``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` (a few seconds each: Numba's import and small
+compiles).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from normlab.backends import half_hw  # noqa: E402
+
+ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+#: Runs in a subprocess on the emulated CPU: the conversions the kernels use (half_convert's),
+#: on every pattern and on the probes, saved for the parent to check.
+CONVERT = textwrap.dedent(
+    """
+    import sys
+    import numba
+    import numpy as np
+    from normlab.backends import half_convert as hc
+
+    @numba.njit
+    def widen16(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = hc.float16_to_float32(bits[i])
+
+    @numba.njit
+    def narrow16(values, out):
+        for i in range(values.shape[0]):
+            out[i] = hc.float32_to_float16(values[i])
+
+    @numba.njit
+    def widen_b16(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = hc.bfloat16_to_float32(bits[i])
+
+    @numba.njit
+    def narrow_b16(values, out):
+        for i in range(values.shape[0]):
+            out[i] = hc.float32_to_bfloat16(values[i])
+
+    data = np.load(sys.argv[1])
+    results = {"hardware": np.array(hc.FLOAT16_IN_HARDWARE)}
+    paths = (("float16", widen16, narrow16), ("bfloat16", widen_b16, narrow_b16))
+    for name, widen, narrow in paths:
+        wide = np.empty(data["bits"].size, np.float32)
+        widen(data["bits"].view(np.int16) if name == "float16" else data["bits"], wide)
+        back = np.empty(wide.size, np.uint16)
+        narrow(wide, back)
+        narrowed = np.empty(data[name + "_probes"].size, np.uint16)
+        narrow(data[name + "_probes"], narrowed)
+        results[name + "_wide"], results[name + "_back"] = wide, back
+        results[name + "_narrowed"] = narrowed
+    np.savez(sys.argv[2], **results)
+    """
+)
+
+#: (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES, whether float16 must take the instruction path).
+CPUS = [
+    pytest.param("haswell", "+f16c", True, id="haswell-f16c"),
+    pytest.param("haswell", "-f16c", False, id="haswell-without-f16c"),
+    pytest.param("generic", "", False, id="generic"),
+]
+
+
+def _dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(np.float16) if name == "float16" else np.dtype(ml_dtypes.bfloat16)
+
+
+def _probes(name: str) -> np.ndarray:
+    """float32 values around every finite value of the half type ``name``: each value, the
+    midpoints to its neighbours (exact ties), one float32 unit either side of each, and a few
+    float32 values below and beyond the type's range."""
+    dtype = _dtype(name)
+    values = ALL_BITS.view(dtype).astype(np.float32)
+    finite = np.sort(values[np.isfinite(values)].astype(np.float64))
+    finite = np.unique(finite)
+    mid = ((finite[:-1] + finite[1:]) / 2).astype(np.float32)  # exact: one bit more
+    inf = np.float32(np.inf)
+    probes = [finite.astype(np.float32), mid, np.nextafter(mid, inf), np.nextafter(mid, -inf)]
+    edges = np.array([1e-45, 1e-40, 1e-30, 3e-8, 6e-8, 65519.0, 65520.0, 1e5, 3.4e38], np.float32)
+    probes += [edges, -edges]
+    return np.concatenate(probes)
+
+
+def _check_nan_aware(got: np.ndarray, want: np.ndarray, dtype: np.dtype[Any], what: str) -> None:
+    """``got`` equals ``want`` (bit patterns of ``dtype``) where ``want`` is not a NaN; where it
+    is, ``got`` is a NaN of the same sign."""
+    got_values, want_values = got.view(dtype), want.view(dtype)
+    nan = np.isnan(want_values.astype(np.float32))
+    mismatch = np.flatnonzero((got != want) & ~nan)
+    first = mismatch[:4]
+    assert mismatch.size == 0, f"{what}: {mismatch.size} differ: {want[first]} -> {got[first]}"
+    assert np.isnan(got_values[nan].astype(np.float32)).all(), f"{what}: a NaN became a number"
+    sign = 1 << (got.dtype.itemsize * 8 - 1)
+    assert np.array_equal(got[nan] & sign, want[nan] & sign), f"{what}: a NaN changed sign"
+
+
+def _check(results: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> None:
+    for name in ("float16", "bfloat16"):
+        dtype = _dtype(name)
+        want_wide = ALL_BITS.view(dtype).astype(np.float32)
+        _check_nan_aware(
+            results[name + "_wide"].view(np.uint32),
+            want_wide.view(np.uint32),
+            np.dtype(np.float32),
+            f"{name} -> float32",
+        )
+        _check_nan_aware(results[name + "_back"], ALL_BITS, dtype, f"{name} -> float32 -> {name}")
+        with np.errstate(over="ignore"):  # the probes beyond the range become infinities
+            want = inputs[name + "_probes"].astype(dtype).view(np.uint16)
+        _check_nan_aware(results[name + "_narrowed"], want, dtype, f"float32 -> {name}")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    data = {"bits": ALL_BITS, **{f"{n}_probes": _probes(n) for n in ("float16", "bfloat16")}}
+    path = tmp_path_factory.mktemp("half") / "inputs.npz"
+    np.savez(path, **data)
+    return path, data
+
+
+@pytest.mark.parametrize(("cpu", "features", "hardware"), CPUS)
+def test_every_pattern_on_an_emulated_cpu(
+    cpu: str,
+    features: str,
+    hardware: bool,
+    inputs: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+) -> None:
+    """The path chosen for the CPU, and its results on every pattern and probe."""
+    path, data = inputs
+    out = tmp_path / "results.npz"
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
+    env.pop("NUMBA_DISABLE_JIT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(path), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(out) as saved:
+        results = dict(saved)
+    assert bool(results["hardware"]) is hardware
+    _check(results, data)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "features", "hardware"),
+    [
+        ("haswell", "", True),
+        ("haswell", "-f16c", False),
+        ("x86-64", "", False),
+        ("x86-64", "+f16c", True),
+        ("sapphirerapids", "", True),  # AVX-512 FP16: its own conversion instructions
+    ],
+)
+def test_instruction_probe(cpu: str, features: str, hardware: bool) -> None:
+    """LLVM's answer for a CPU: instructions where it has F16C or AVX-512 FP16, else none."""
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("x86-64 CPU names")
+    assert half_hw.converts_float16(cpu, features) is hardware
+
+
+def test_host_path_matches_the_cpu_numba_compiles_for() -> None:
+    """In this process the kernels use the path LLVM gives the host (or NUMBA_CPU_*)."""
+    from normlab.backends import half_bits, half_convert
+
+    hardware = half_hw.converts_float16(*half_hw.numba_target())
+    assert half_convert.FLOAT16_IN_HARDWARE is hardware
+    chosen = half_hw if hardware else half_bits
+    assert half_convert.float16_to_float32 is chosen.float16_to_float32
+    assert half_convert.float32_to_float16 is chosen.float32_to_float16
+    assert half_convert.float32_to_bfloat16 is half_bits.float32_to_bfloat16
