@@ -13,6 +13,7 @@ compiles).
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -70,6 +71,22 @@ CONVERT = textwrap.dedent(
         narrow(data[name + "_probes"], narrowed)
         results[name + "_wide"], results[name + "_back"] = wide, back
         results[name + "_narrowed"] = narrowed
+
+    # A float16 LayerNorm forward and backward through the kernels (small: the serial ones).
+    import normlab
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((4, 777)) * 3).astype(np.float16)
+    x[0, :8] = [6e-8, -6e-8, 1e-5, 3e-5, 2.0**-14, 1.0, 0.0, -0.0]  # subnormals, tiny normals
+    x[1, :4] = [65504.0, -65504.0, 60000.0, 1e4]
+    weight = rng.standard_normal(777).astype(np.float32)
+    bias = rng.standard_normal(777).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float16)
+    y, mean, rstd = normlab.layer_norm(
+        x, None, weight, bias, 1e-5, backend="numba", return_stats=True
+    )
+    dx, dweight, dbias = normlab.layer_norm_backward(dy, x, mean, rstd, weight, backend="numba")
+    results.update(y=y, mean=mean, rstd=rstd, dx=dx, dweight=dweight, dbias=dbias)
     np.savez(sys.argv[2], **results)
     """
 )
@@ -139,6 +156,29 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np
     return path, data
 
 
+_emulated: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+
+
+def _run_on(cpu: str, features: str, inputs: Path, tmp_path: Path) -> dict[str, np.ndarray]:
+    """:data:`CONVERT`'s results on the emulated CPU (run once per CPU in this session)."""
+    if (cpu, features) in _emulated:
+        return _emulated[cpu, features]
+    out = tmp_path / "results.npz"
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
+    env.pop("NUMBA_DISABLE_JIT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CONVERT, str(inputs), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(out) as saved:
+        _emulated[cpu, features] = dict(saved)
+    return _emulated[cpu, features]
+
+
 @pytest.mark.parametrize(("cpu", "features", "hardware"), CPUS)
 def test_every_pattern_on_an_emulated_cpu(
     cpu: str,
@@ -149,21 +189,28 @@ def test_every_pattern_on_an_emulated_cpu(
 ) -> None:
     """The path chosen for the CPU, and its results on every pattern and probe."""
     path, data = inputs
-    out = tmp_path / "results.npz"
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
-    env.pop("NUMBA_DISABLE_JIT", None)
-    done = subprocess.run(
-        [sys.executable, "-c", CONVERT, str(path), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with np.load(out) as saved:
-        results = dict(saved)
+    results = _run_on(cpu, features, path, tmp_path)
     assert bool(results["hardware"]) is hardware
     _check(results, data)
+
+
+def test_kernels_agree_on_both_paths(
+    inputs: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    """A float16 LayerNorm (subnormal, tiny and huge values in x) on the same CPU with F16C and
+    without it. The forward is bitwise the same: its sums run over the decoded float32 row, and
+    y is written element by element. The backward's first sweep decodes and sums in one loop,
+    which LLVM vectorises differently around a one-instruction conversion: its reassociated
+    sums may differ in the last float32 bits (as between CPUs of different vector widths)."""
+    with_f16c = _run_on("haswell", "+f16c", inputs[0], tmp_path)
+    without = _run_on("haswell", "-f16c", inputs[0], tmp_path)
+    assert bool(with_f16c["hardware"]) and not bool(without["hardware"])
+    for name in ("y", "mean", "rstd"):
+        assert with_f16c[name].tobytes() == without[name].tobytes(), name
+    for name in ("dx", "dweight", "dbias"):
+        got, want = with_f16c[name].astype(np.float64), without[name].astype(np.float64)
+        ulps = 2.0**-10 if name == "dx" else 2.0**-21  # float16's and float32's, relative
+        np.testing.assert_allclose(got, want, rtol=ulps, atol=ulps * np.abs(want).max())
 
 
 @pytest.mark.parametrize(
@@ -178,7 +225,7 @@ def test_every_pattern_on_an_emulated_cpu(
 )
 def test_instruction_probe(cpu: str, features: str, hardware: bool) -> None:
     """LLVM's answer for a CPU: instructions where it has F16C or AVX-512 FP16, else none."""
-    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 CPU names")
     assert half_hw.converts_float16(cpu, features) is hardware
 
