@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -74,19 +75,22 @@ def _repeats(call: Call) -> int:
     return max(1, int(BATCH_SECONDS / max(once, 1e-7)))
 
 
-def interleaved(calls: dict[str, Call], rounds: int) -> dict[str, float]:
-    """Median seconds per call of each of ``calls``, timed in rotating order, round by round."""
+def interleaved(calls: dict[str, Call], rounds: int) -> dict[str, tuple[float, float]]:
+    """(median, best) seconds per call of each of ``calls``, over ``rounds`` rounds that each
+    time a batch of every call, in a fresh random order (no call always follows the same one:
+    ORT's and torch's worker threads spin a while after a call)."""
     names = list(calls)
     repeats = {name: _repeats(calls[name]) for name in names}
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order = random.Random(0)
+    for _ in range(rounds):
+        for name in order.sample(names, len(names)):
             call, n = calls[name], repeats[name]
             start = time.perf_counter()
             for _ in range(n):
                 call()
             times[name].append((time.perf_counter() - start) / n)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def _load() -> str:
@@ -95,24 +99,28 @@ def _load() -> str:
 
 def compare(shapes: tuple[tuple[int, int], ...], rounds: int) -> None:
     """The side-by-side table: median µs per call, GB/s, and numba's speed-up on each peer."""
-    print("| op | shape | dtype | contender | µs | GB/s | numba × |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| op | shape | dtype | contender | µs median | µs best | GB/s | numba × (median, best) |"
+    )
+    print("|---|---|---|---|--:|--:|--:|--:|")
     for shape in shapes:
         for dtype in DTYPES:
             data = Workload(shape, dtype)
             for op, names in CONTENDERS.items():
                 built = {name: _contender(op, name, data) for name in names}
                 calls = {n: c for n, c in built.items() if not isinstance(c, str)}
-                medians = interleaved(calls, rounds)
+                timed = interleaved(calls, rounds)
                 nbytes = moved_bytes(op, data)
                 for name in names:
                     label = f"| {op} | {shape[0]}×{shape[1]} | {dtype} | {name} |"
-                    if name not in medians:
-                        print(f"{label} — | — | skipped: {str(built[name])[:60]} |")
+                    if name not in timed:
+                        print(f"{label} — | — | — | skipped: {str(built[name])[:60]} |")
                         continue
-                    t = medians[name]
-                    speedup = t / medians["numba"]
-                    print(f"{label} {t * 1e6:.1f} | {nbytes / t / 1e9:.2f} | {speedup:.2f} |")
+                    (median, best), (numba_median, numba_best) = timed[name], timed["numba"]
+                    print(
+                        f"{label} {median * 1e6:.1f} | {best * 1e6:.1f} | {nbytes / best / 1e9:.2f}"
+                        f" | {median / numba_median:.2f}, {best / numba_best:.2f} |"
+                    )
 
 
 def profile(shapes: tuple[tuple[int, int], ...], rounds: int) -> None:
@@ -134,13 +142,15 @@ def profile(shapes: tuple[tuple[int, int], ...], rounds: int) -> None:
             for j in range(values.shape[1]):
                 row[j] = store(values[i, j], row)
 
-    print("| shape | dtype | decode µs | encode µs | float32 LN µs | half LN µs |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| shape | dtype | decode µs | encode µs | float32 LN µs | half LN µs | (best of rounds) |"
+    )
+    print("|---|---|--:|--:|--:|--:|")
     for shape in shapes:
         for dtype in DTYPES:
             calls = _profile_calls(Workload(shape, dtype), decode, encode)
-            m = interleaved(calls, rounds)
-            cells = " | ".join(f"{m[k] * 1e6:.1f}" for k in calls)
+            best = {k: v[1] for k, v in interleaved(calls, rounds).items()}
+            cells = " | ".join(f"{best[k] * 1e6:.1f}" for k in calls)
             print(f"| {shape[0]}×{shape[1]} | {dtype} | {cells} |")
 
 
@@ -163,6 +173,14 @@ def _profile_calls(data: Workload, decode: Any, encode: Any) -> dict[str, Call]:
     }
 
 
+def _conversion_path() -> str:
+    try:
+        from normlab.backends import half_convert
+    except ImportError:  # a normlab from before the instruction path, for a before/after run
+        return "bit patterns only (normlab without half_convert)"
+    return half_convert.PATH
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -170,9 +188,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[f"{r}x{c}" for r, c in SHAPES])
     args = parser.parse_args()
     shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes)
-    from normlab.backends import half_convert
-
-    print(f"conversion path: {half_convert.PATH}; load average before: {_load()}")
+    print(f"conversion path: {_conversion_path()}; load average before: {_load()}")
     (profile if args.profile else compare)(shapes, args.rounds)  # type: ignore[arg-type]
     print(f"load average after: {_load()}")
 
