@@ -15,9 +15,11 @@ of a shared machine falls on all of them alike; the figure is the median of the 
 a float32 array to the half type alone (both parallel over rows, through the very ``load`` and
 ``store`` the kernels use), the float32 LayerNorm on the decoded x, and the half LayerNorm.
 
-The load average before and after is printed: compare ratios, not absolute times. Run::
+The load average before and after is printed: compare ratios, not absolute times. On a busy
+machine a parallel call waits for its slowest thread, so ``--threads 1`` (numba, torch and ORT
+each on one thread) gives the steadier ratios. Run::
 
-    python benchmarks/bench_half.py [--rounds 15] [--profile] [--shapes 32x768 1024x768]
+    python benchmarks/bench_half.py [--rounds 15] [--threads 1] [--profile] [--shapes 32x768]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import random
 import statistics
 import time
+import types
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -142,9 +145,8 @@ def profile(shapes: tuple[tuple[int, int], ...], rounds: int) -> None:
             for j in range(values.shape[1]):
                 row[j] = store(values[i, j], row)
 
-    print(
-        "| shape | dtype | decode µs | encode µs | float32 LN µs | half LN µs | (best of rounds) |"
-    )
+    print("best of the rounds, µs per call:")
+    print("| shape | dtype | decode | encode | float32 LayerNorm | half LayerNorm |")
     print("|---|---|--:|--:|--:|--:|")
     for shape in shapes:
         for dtype in DTYPES:
@@ -181,14 +183,29 @@ def _conversion_path() -> str:
     return half_convert.PATH
 
 
+def use_threads(count: int) -> None:
+    """Every contender on ``count`` threads: numba's and torch's pools, and ORT's sessions
+    (peers.py gives them ``os.cpu_count()`` intra-op threads: that count, for peers alone)."""
+    import numba
+    import torch
+
+    numba.set_num_threads(count)
+    torch.set_num_threads(count)
+    peers.os = types.SimpleNamespace(cpu_count=lambda: count)  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--threads", type=int, help="threads of every contender (default: all)")
     parser.add_argument("--shapes", nargs="*", default=[f"{r}x{c}" for r, c in SHAPES])
     args = parser.parse_args()
     shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes)
-    print(f"conversion path: {_conversion_path()}; load average before: {_load()}")
+    if args.threads:
+        use_threads(args.threads)
+    threads = args.threads or "all"
+    print(f"conversion path: {_conversion_path()}; threads: {threads}; load before: {_load()}")
     (profile if args.profile else compare)(shapes, args.rounds)  # type: ignore[arg-type]
     print(f"load average after: {_load()}")
 
