@@ -71,7 +71,7 @@ def converts_float16(cpu: str, features: str) -> bool:
     ll.initialize_native_target()
     ll.initialize_native_asmprinter()
     target = ll.Target.from_default_triple()
-    machine = target.create_target_machine(cpu=cpu, features=features, opt=2)
+    machine = target.create_target_machine(cpu=cpu, features=features, opt=0)
     module = ll.parse_assembly(_PROBE_IR)
     module.triple = target.triple
     return _RUNTIME_CALL.search(machine.emit_assembly(module)) is None
