@@ -240,3 +240,28 @@ def test_host_path_matches_the_cpu_numba_compiles_for() -> None:
     assert half_convert.float16_to_float32 is chosen.float16_to_float32
     assert half_convert.float32_to_float16 is chosen.float32_to_float16
     assert half_convert.float32_to_bfloat16 is half_bits.float32_to_bfloat16
+
+
+def test_kernel_cache_keyed_by_the_conversions_source(tmp_path: Path) -> None:
+    """A cached kernel is found again only while the sources it calls are unchanged: Numba keys
+    an entry by the kernel's own bytecode, so without the digest an entry compiled on the bit
+    path would outlive a switch to CPU instructions (half_hw.py, half_convert.py)."""
+    import shutil
+
+    import numba
+
+    from normlab.backends import numba_backend, numba_cache
+
+    package = tmp_path / "normlab" / "backends"
+    shutil.copytree(Path(numba_cache.__file__).parent, package)
+    (tmp_path / "normlab" / "constants.py").write_text("ROW_CHUNK = 32\n")
+    before = numba_cache.sources_digest(package)
+    assert numba_cache.sources_digest(package) == before
+    half = package / "half_hw.py"
+    half.write_text(half.read_text() + "\n")
+    assert numba_cache.sources_digest(package) != before
+
+    kernel: Any = numba_backend.numba_kernels.layer_norm_rows  # adopted by the backend
+    codegen = numba.core.registry.cpu_target.target_context.codegen()
+    key = kernel._cache._index_key((), codegen)
+    assert key[-1] == numba_cache.backend_sources_digest()
