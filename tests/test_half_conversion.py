@@ -29,6 +29,10 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from normlab.backends import half_hw  # noqa: E402
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+#: The emulated CPUs are x86-64 models.
+x86_only = pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="emulates x86-64 CPU models"
+)
 
 #: Runs in a subprocess on the emulated CPU: the conversions the kernels use (half_convert's),
 #: on every pattern and on the probes, saved for the parent to check.
@@ -191,6 +195,7 @@ def _run_on(cpu: str, features: str, inputs: Path, tmp_path: Path) -> dict[str, 
     return _emulated[cpu, features]
 
 
+@x86_only
 @pytest.mark.parametrize(("cpu", "features", "hardware"), CPUS)
 def test_every_pattern_on_an_emulated_cpu(
     cpu: str,
@@ -206,6 +211,7 @@ def test_every_pattern_on_an_emulated_cpu(
     _check(results, data)
 
 
+@x86_only
 def test_kernels_agree_on_both_paths(
     inputs: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
 ) -> None:
@@ -235,10 +241,9 @@ def test_kernels_agree_on_both_paths(
         ("sapphirerapids", "", True),  # AVX-512 FP16: its own conversion instructions
     ],
 )
+@x86_only
 def test_instruction_probe(cpu: str, features: str, hardware: bool) -> None:
     """LLVM's answer for a CPU: instructions where it has F16C or AVX-512 FP16, else none."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("x86-64 CPU names")
     assert half_hw.converts_float16(cpu, features) is hardware
 
 
