@@ -37,6 +37,7 @@ KERNELS: Final = [
     "normlab.backends.numba_kernels",
     "normlab.backends.numba_backward",
     "normlab.backends.half_bits",
+    "normlab.backends.half_hw",
 ]
 
 with atheris.instrument_imports(include=["normlab"], exclude=KERNELS):

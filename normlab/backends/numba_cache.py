@@ -13,12 +13,19 @@ directory, which may be read-only or shared.
 - readable only (a cache built into a read-only image): load; a signature not in it is compiled
   in the process and not saved;
 - neither (no home directory, a read-only file system): every kernel is compiled in the process,
-  and the ``normlab.compile`` logger (:mod:`normlab.backends.compile_notices`: stderr by
-  default, ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
+  and the ``normlab.compile`` logger (:mod:`normlab.backends.compile_notices`:
+  stderr by default, ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
+
+Numba keys a cache entry by the kernel's own bytecode and the CPU it was compiled for, not by
+the functions it calls (compiled into it): an entry made before an edit to ``half_bits.py`` or
+``half_hw.py`` would keep the old conversions. So normlab's entries are also keyed by
+:func:`backend_sources_digest`, of every source file of this package and ``constants.py``.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -31,7 +38,13 @@ from numba.core.dispatcher import Dispatcher
 from normlab.backends.cache_dirs import access, cache_root, make_private_dirs
 from normlab.backends.compile_notices import compile_logger
 
-__all__ = ["KernelCacheLocator", "adopt", "kernel_cache_root"]
+__all__ = [
+    "KernelCacheLocator",
+    "adopt",
+    "backend_sources_digest",
+    "kernel_cache_root",
+    "sources_digest",
+]
 
 
 _PACKAGE: Final = Path(__file__).resolve().parents[1]
@@ -85,9 +98,29 @@ class KernelCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLo
         return cls(py_func, py_file)
 
 
+def sources_digest(package: Path) -> str:
+    """SHA-256 of the ``.py`` files under ``package`` (sorted by path) and of
+    ``constants.py`` beside it (constants the kernels may read)."""
+    digest = hashlib.sha256()
+    for path in [*sorted(package.rglob("*.py")), package.parent / "constants.py"]:
+        digest.update(path.relative_to(package.parent).as_posix().encode())
+        digest.update(path.read_bytes() if path.is_file() else b"")
+    return digest.hexdigest()
+
+
+@functools.cache
+def backend_sources_digest() -> str:
+    """:func:`sources_digest` of ``normlab.backends``: what a kernel may call. Once a process."""
+    return sources_digest(Path(__file__).resolve().parent)
+
+
 class _KernelCache(caching.FunctionCache):
     """Numba's per-function cache, for a directory that may be read-only: a kernel that cannot
-    be saved (or a cache that cannot be read) is compiled in the process instead of failing."""
+    be saved (or a cache that cannot be read) is compiled in the process instead of failing.
+    Entries are also keyed by :func:`backend_sources_digest`."""
+
+    def _index_key(self, sig: Any, codegen: Any) -> Any:
+        return (*super()._index_key(sig, codegen), backend_sources_digest())  # type: ignore[no-untyped-call]
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
         try:

@@ -17,7 +17,7 @@ bfloat16       uint16 (the bit patterns)  float32
 =============  =========================  =============
 
 Two integer types keep the two half formats apart, so Numba's type dispatch picks the
-conversion (:mod:`normlab.backends.half_bits`) at compile time. A row (or, for long rows, a
+conversion (:mod:`normlab.backends.half_convert`) at compile time. A row (or, for long rows, a
 segment) that is not contiguous compute-dtype data is first copied, converted, into a scratch
 array of the thread; so the sums always run over contiguous memory. Row sums are blocked: each
 block of :data:`BLOCK` elements is summed in the compute dtype (vectorised, a few terms per SIMD
@@ -53,7 +53,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from normlab.backends import numba_cache  # noqa: F401  (places the kernels' cache; first)
-from normlab.backends.half_bits import (
+from normlab.backends.half_convert import (
     bfloat16_to_float32,
     float16_to_float32,
     float32_to_bfloat16,
