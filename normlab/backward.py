@@ -79,7 +79,7 @@ def run(
     bplan = plan(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
     dx, dweight, dbias = gradients(bplan, dy, x, mean, rstd, weight, backend)
     like = x if weight is None else weight
-    return dx, _cast(dweight, like, bplan.plan.family), _cast(dbias, like, bplan.plan.family)
+    return dx, _cast(dweight, like), _cast(dbias, like)
 
 
 def gradients(
@@ -101,7 +101,7 @@ def gradients(
         mean, rstd, weight = layout.native(mean), layout.native(rstd), layout.native(weight)
     dy2 = _rows(dy, p, bplan.dy_strides, "dy" not in p.non_native, caps)
     x2 = _rows(x, p, p.x_strides, "x" not in p.non_native, caps)
-    rstd1 = rstd.reshape(p.rows)
+    rstd1 = arrays.reshape(rstd, (p.rows,))
     weight1 = layout._flat(weight, p)
     function = choice.backend.function(p.op)
     try:
@@ -110,15 +110,15 @@ def gradients(
             dbias = None
         else:
             dx2, dweight, dbias = function(
-                dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=bplan.needs
+                dy2, x2, arrays.reshape(mean, (p.rows,)), rstd1, weight1, plan=p, needs=bplan.needs
             )
     except SystemExit as exc:  # a kernel's sys.exit() must not end the caller
         raise layout.kernel_failure(choice.backend, p.op, exc) from exc
     dx = None
     if dx2 is not None:
-        dx = dx2.reshape(bplan.permuted_shape)
+        dx = arrays.reshape(dx2, bplan.permuted_shape)
         if bplan.inverse is not None:
-            dx = layout._permute(dx, p.family, bplan.inverse)
+            dx = arrays.permute(dx, bplan.inverse)
     return dx, _unflat(dweight, p), _unflat(dbias, p)
 
 
@@ -127,25 +127,23 @@ def _rows(
 ) -> Any:
     """``a`` as 2-D rows; a C-contiguous copy only when the backend cannot read its layout."""
     if p.permutation is not None:
-        a = layout._permute(a, p.family, p.permutation)
+        a = arrays.permute(a, p.permutation)
     if not native or not layout._reads(caps, strides, p):
-        a = layout._contiguous(a, p.family)
-    return a.reshape(p.rows, p.cols)
+        a = arrays.contiguous(a)
+    return arrays.reshape(a, (p.rows, p.cols))
 
 
 def _unflat(g: Any, p: Plan) -> Any:
     if g is None or len(p.normalized_shape) == 1:
         return g
-    return g.reshape(p.normalized_shape)
+    return arrays.reshape(g, p.normalized_shape)
 
 
-def _cast(g: Any, like: Any, family: str) -> Any:
+def _cast(g: Any, like: Any) -> Any:
     """``g`` in the dtype of the array ``like`` (no copy when it already is)."""
     if g is None or g.dtype == like.dtype:
         return g
-    if family == "torch":
-        return g.to(like.dtype)
-    return g.astype(like.dtype)
+    return arrays.astype(g, like.dtype)
 
 
 def _empty(bplan: BackwardPlan, x: Any) -> tuple[Any, Any, Any]:

@@ -10,10 +10,10 @@ normalized axes into another, and the backend reads such strides (its ``strided`
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
+from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
@@ -97,27 +97,7 @@ def route(plan: Plan, choice: Choice) -> Route:
 
 
 # --------------------------------------------------------------------------------------------
-# Family-generic array operations (the caller's library is already imported when these run).
-
-
-def _permute(a: Any, family: str, order: tuple[int, ...]) -> Any:
-    if family == "torch":
-        return a.permute(order)
-    if family in ("numpy", "cupy"):
-        return a.transpose(order)
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a).permute_dims(a, order)
-
-
-def _contiguous(a: Any, family: str) -> Any:
-    if family == "torch":
-        return a.contiguous()
-    if family == "numpy":
-        return sys.modules["numpy"].ascontiguousarray(native(a))
-    if family == "cupy":
-        return sys.modules["cupy"].ascontiguousarray(a)
-    return a
+# Rows of the caller's arrays (the family operations live in normlab.arrays).
 
 
 def native(a: Any) -> Any:
@@ -128,45 +108,25 @@ def native(a: Any) -> Any:
     return a.astype(a.dtype.newbyteorder("="))
 
 
-def _copy_into(dst: Any, src: Any, family: str) -> None:
-    if family == "torch":
-        dst.copy_(src)
-    elif family == "numpy":
-        sys.modules["numpy"].copyto(dst, src)
-    elif family == "cupy":
-        sys.modules["cupy"].copyto(dst, src)
-    else:
-        dst[...] = src
-
-
-def _mark_written(a: Any, family: str) -> None:
-    """Tell ``a``'s library that a backend wrote ``a`` through its memory, behind the library's
-    back: a torch tensor's version counter is bumped, as torch's own in-place operations do, so
-    that a graph which saved ``a`` for its backward refuses the modified values instead of
-    using them. (Copies into ``out`` made with the library's own operations count already.)"""
-    if family == "torch":
-        sys.modules["torch"].autograd.graph.increment_version(a)
-
-
 def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
     if plan.permutation is not None:
-        a = _permute(a, plan.family, plan.permutation)
+        a = arrays.permute(a, plan.permutation)
     if copy:
-        a = _contiguous(a, plan.family)
-    return a.reshape(plan.rows, plan.cols)
+        a = arrays.contiguous(a)
+    return arrays.reshape(a, (plan.rows, plan.cols))
 
 
 def _from_rows(a: Any, plan: Plan, r: Route, shape: tuple[int, ...]) -> Any:
-    a = a.reshape(shape)
+    a = arrays.reshape(a, shape)
     if r.inverse is not None:
-        a = _permute(a, plan.family, r.inverse)
+        a = arrays.permute(a, r.inverse)
     return a
 
 
 def _flat(p: Any, plan: Plan) -> Any:
     if p is None or len(plan.normalized_shape) == 1:
         return p
-    return _contiguous(p, plan.family).reshape(plan.cols)
+    return arrays.reshape(arrays.contiguous(p), (plan.cols,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,10 +181,10 @@ def _run(
             x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
         )
         if out_y is not None and backend_out is None:
-            _copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape), plan.family)
+            arrays.copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape))
             y = out_y
         elif out_y is not None:
-            _mark_written(out_y, plan.family)
+            arrays.mark_written(out_y)
             y = out_y
         else:
             y = _from_rows(y2, plan, r, r.permuted_shape)
@@ -235,10 +195,10 @@ def _run(
     if not plan.return_stats:
         return y
     if out_mean is not None:
-        _copy_into(out_mean, mean, plan.family)
+        arrays.copy_into(out_mean, mean)
         mean = out_mean
     if out_rstd is not None:
-        _copy_into(out_rstd, rstd, plan.family)
+        arrays.copy_into(out_rstd, rstd)
         rstd = out_rstd
     if plan.op == "rms_norm":
         return y, rstd
