@@ -27,6 +27,13 @@ like=None)`` (the conformance suite drives every backend through these two; ``li
 array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
 that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
 
+A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the
+arrays of its ``families``: how normlab reads their metadata (dtype, shape, strides, device) and
+the few layout operations it performs on them (permute, reshape, contiguous, copy into, cast).
+It is imported when normlab first meets an array of such a family. A record listing the family
+:data:`ARRAY_API` serves, besides, the arrays of every library that normlab reads through the
+Array API standard (exposes ``__array_namespace__``, no inspector of its own).
+
 The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
 ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
@@ -44,6 +51,7 @@ from typing import Any, Final
 import pluggy
 
 __all__ = [
+    "ARRAY_API",
     "CAPABILITIES",
     "PLAN_FIELDS",
     "PROJECT",
@@ -68,6 +76,12 @@ CAPABILITIES: Final = frozenset(
         "autograd",  # serves arrays that require grad and keeps the graph
     }
 )
+
+
+#: The pseudo-family of a record serving any library's arrays through the Array API standard:
+#: those of a family that exposes ``__array_namespace__`` and that normlab has no inspector for
+#: (``normlab.arrays.array_api_families``); never NumPy, PyTorch, CuPy, JAX or Dask arrays.
+ARRAY_API: Final = "array_api"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +191,10 @@ class BackendRecord:
             results to zero (XLA on the CPU does): the contract's range then excludes subnormal
             inputs for this backend, and the conformance suite skips its subnormal cases,
             saying so.
+        inspector: the import path (``"pkg.mod:Class"``) of a :class:`normlab.arrays.Inspector`
+            subclass for the arrays of ``families``, imported when normlab first meets one;
+            ``None``: normlab's own (NumPy, PyTorch and CuPy arrays always get normlab's own).
+            Among records supplying one for a family, the highest priority wins.
     """
 
     name: str
@@ -192,6 +210,7 @@ class BackendRecord:
     library: str | None = None
     description: str = ""
     flushes_subnormals: bool = False
+    inspector: str | None = None
 
 
 @hookspec
