@@ -594,34 +594,43 @@ def array_api_families() -> frozenset[str]:
 # The family operations, on any array (its inspector performs them).
 
 
+def _of(a: Any) -> Inspector:
+    """``a``'s inspector: :func:`inspector` without its call on a cached type (the family
+    operations run several times per call)."""
+    try:
+        return _by_type[type(a)]
+    except KeyError:
+        return inspector(type(a))
+
+
 def permute(a: Any, order: tuple[int, ...]) -> Any:
     """``a`` with its axes in ``order``; see :meth:`Inspector.permute`."""
-    return inspector(type(a)).permute(a, order)
+    return _of(a).permute(a, order)
 
 
 def reshape(a: Any, shape: tuple[int, ...]) -> Any:
     """``a`` with shape ``shape``; see :meth:`Inspector.reshape`."""
-    return inspector(type(a)).reshape(a, shape)
+    return _of(a).reshape(a, shape)
 
 
 def contiguous(a: Any) -> Any:
     """``a`` in C order and native byte order; see :meth:`Inspector.contiguous`."""
-    return inspector(type(a)).contiguous(a)
+    return _of(a).contiguous(a)
 
 
 def copy_into(dst: Any, src: Any) -> None:
     """Write ``src`` into ``dst`` in place; see :meth:`Inspector.copy_into`."""
-    inspector(type(dst)).copy_into(dst, src)
+    _of(dst).copy_into(dst, src)
 
 
 def mark_written(a: Any) -> None:
     """Tell ``a``'s library a backend wrote it directly; see :meth:`Inspector.mark_written`."""
-    inspector(type(a)).mark_written(a)
+    _of(a).mark_written(a)
 
 
 def astype(a: Any, dtype: Any) -> Any:
     """``a`` converted to ``dtype``; see :meth:`Inspector.astype`."""
-    return inspector(type(a)).astype(a, dtype)
+    return _of(a).astype(a, dtype)
 
 
 def info(x: Any) -> ArrayInfo:
