@@ -401,7 +401,8 @@ def _check_record(record: Any, plugin_name: str) -> None:
                 f"inspector must be None or an import path ('pkg.mod:Class'), got "
                 f"{record.inspector!r}"
             )
-        core = sorted(arrays.CORE_FAMILIES & record.families)
+        listed = record.families if isinstance(record.families, frozenset) else frozenset()
+        core = sorted(arrays.CORE_FAMILIES & listed)
         if core:
             problems.append(
                 f"it supplies an inspector for {', '.join(core)}, whose arrays normlab always "
