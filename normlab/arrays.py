@@ -532,8 +532,9 @@ def family_of(x: Any) -> str:
 
 
 _by_type: dict[type, Inspector] = {}
-#: The families read through :class:`ArrayApiInspector` so far.
-_array_api_families: set[str] = set()
+#: The families read through :class:`ArrayApiInspector` so far (replaced, never mutated: read
+#: by dispatch while another thread may add one).
+_array_api_families: frozenset[str] = frozenset()
 
 
 def _no_supplied_inspector(family: str) -> type[Inspector] | None:
@@ -568,7 +569,8 @@ def _inspector_class(array_type: type, family: str) -> type[Inspector]:
     if fallback is not None:
         return fallback
     if hasattr(array_type, "__array_namespace__"):
-        _array_api_families.add(family)
+        global _array_api_families
+        _array_api_families = _array_api_families | {family}
         return ArrayApiInspector
     return Inspector
 
@@ -588,7 +590,7 @@ def inspector(array_type: type) -> Inspector:
 def array_api_families() -> frozenset[str]:
     """The families met so far whose arrays are read through the Array API
     (:class:`ArrayApiInspector`): no inspector of their own, ``__array_namespace__`` exposed."""
-    return frozenset(_array_api_families)
+    return _array_api_families
 
 
 # The family operations, on any array (its inspector performs them).
