@@ -32,6 +32,7 @@ LINT_PATHS = ("normlab", "tests", "benchmarks", "plugins", "fuzz", "noxfile.py")
 EXAMPLE_PLUGIN = "./plugins/normlab-example"
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+IMPORT_LINTER = "import-linter==2.16"
 
 
 def _isolate(session: nox.Session) -> None:
@@ -76,10 +77,11 @@ def plugin_dask(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff: lint rules and formatting."""
-    session.install(RUFF)
+    """ruff: lint rules and formatting; import-linter: the import layers (pyproject.toml)."""
+    session.install(RUFF, IMPORT_LINTER)
     session.run("ruff", "check", *LINT_PATHS)
     session.run("ruff", "format", "--check", *LINT_PATHS)
+    session.run("lint-imports")  # reads the source only: normlab need not be installed
 
 
 @nox.session

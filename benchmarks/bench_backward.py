@@ -6,9 +6,10 @@ backward together through autograd, module against module, as in training. Each 
 same ``x``, ``dy`` and parameters (all cores), times ``module(x).backward(dy)`` for
 
 * ``torch``: ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``;
-* each backend whose record claims ``autograd`` and the op: ``normlab.torch.LayerNorm`` /
-  ``RMSNorm`` with ``backend=`` that name (numba goes through normlab's custom ops, forward and
-  backward kernels inside autograd; the torch backend through torch's own functions).
+* each backend that keeps the graph of torch tensors on the op (``normlab.dispatch.keeps_graph``):
+  ``normlab.torch.LayerNorm`` / ``RMSNorm`` with ``backend=`` that name (the core runs numba
+  through normlab's custom ops, forward and backward kernels inside autograd; the torch backend
+  through torch's own functions).
 
 GB/s in ``extra_info`` count ``x`` read and ``y`` written by the forward, ``x`` and ``dy`` read
 and ``dx`` written by the backward (5 x the bytes of x), over the median time. Each contender
@@ -31,6 +32,7 @@ from typing import Any, Final
 import pytest
 
 import normlab
+from normlab import dispatch
 
 torch = pytest.importorskip("torch")
 
@@ -45,13 +47,15 @@ EPS: Final = 1e-5
 
 
 def _contenders() -> list[Any]:
-    """``(op, name)`` for torch and each backend claiming autograd on the op (else a skip)."""
+    """``(op, name)`` for torch and each backend that keeps the graph of torch tensors on the
+    op (``normlab.dispatch.keeps_graph``; unavailable: a skip)."""
     params = []
     for op in MODULES:
         params.append(pytest.param((op, "torch-module"), id=f"{op}-torch-module"))
         for backend in normlab.list_backends():
             case = (op, backend.name)
-            if "autograd" not in backend.capabilities or op not in backend.ops:
+            torch_family = "torch" in backend.families | backend.explicit_families
+            if not torch_family or op not in backend.ops or not dispatch.keeps_graph(backend, op):
                 continue
             marks = []
             if not backend.available:

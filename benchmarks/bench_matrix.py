@@ -17,7 +17,9 @@ and float16: time per call against rows); the quick one takes four shapes for La
 The full matrix also times the forwards' peers (``peers.py``: ONNX Runtime allocating and through
 an io_binding, on every shape; ``torch.compile`` on :data:`COMPILE_SHAPES`), each skipped with
 its reason where it cannot run here. The quick matrix (CI) has none. Each backend call records
-whether normlab's default choice for that NumPy input is this backend (``default``).
+whether normlab's default choice for that NumPy input is this backend (``default``), and the
+"auto" rows time that default itself: ``normlab.<op>`` with no backend named, on NumPy arrays
+(``auto``) and on CPU torch tensors (``auto-torch``), dispatch included.
 
 The textbook formula runs only where its temporaries (up to six times the input, in float32 or
 wider) fit in a quarter of the memory. Also here: the dispatch overhead on a tiny array, and
@@ -38,17 +40,18 @@ import numpy as np
 import peers
 import pytest
 from workloads import (
+    AUTO,
     EPS,
     LIMITS,
     OPS,
     REFERENCES,
     Workload,
+    auto_call,
     backend_call,
     completing,
     make_input,
     make_params,
     moved_bytes,
-    numpy_dtype,
     reference_call,
 )
 
@@ -56,6 +59,7 @@ import normlab
 from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 if TYPE_CHECKING:
     from conftest import MatrixState
@@ -300,6 +304,11 @@ def _cases(op: str, dtype: str, shape: tuple[int, ...], backends: list[Backend])
         out = op in FORWARDS and "out" in backend.capabilities
         modes = ("alloc", "out") if out else ("alloc",)
         cases.extend(Case(op, backend.name, m, shape, dtype) for m in modes)
+    cases.extend(
+        Case(op, auto, "alloc", shape, dtype)
+        for auto, family in AUTO.items()
+        if family == "numpy" or _installed(family)
+    )
     params = []
     for case in cases:
         if case.subject == "textbook" and case.reference and not _textbook_fits(case):
@@ -388,6 +397,8 @@ def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
             return reference_call(case.op or "layer_norm", case.subject, data)
         except peers.PeerUnavailable as exc:  # a peer that fails to build on this input
             pytest.skip(f"peer {case.subject}: {exc}")
+    if case.subject in AUTO:
+        return auto_call(case.op, case.subject, data)
     return backend_call(case.op, registry.get(case.subject), data, out=case.mode == "out")
 
 

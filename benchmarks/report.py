@@ -540,6 +540,52 @@ def dispatch_table(run: dict[str, Any]) -> Table:
     )
 
 
+#: The auto rows (normlab's own choice, no backend named) and the family of their inputs.
+AUTO: Final = {"auto": "NumPy", "auto-torch": "torch CPU"}
+#: An auto row this much slower than the best backend is flagged (the run-to-run spread of the
+#: matrix on an idle machine is about as large).
+AUTO_TOLERANCE: Final = 1.05
+
+
+def auto_table(all_rows: Sequence[Row]) -> Table:
+    """Per call: the auto rows against the fastest backend named on the same input (an
+    allocating call; NumPy arrays and CPU tensors share memory, so either family counts)."""
+    best: dict[tuple[Any, ...], Row] = {}
+    for r in all_rows:
+        if r.kind == "reference" or r.subject in AUTO or r.mode != "alloc":
+            continue
+        key = (r.op, r.dtype, r.shape)
+        if key not in best or r.seconds < best[key].seconds:
+            best[key] = r
+    body, flagged = [], set()
+    for r in all_rows:
+        fastest = best.get((r.op, r.dtype, r.shape))
+        if r.subject not in AUTO or fastest is None:
+            continue
+        ratio = r.seconds / fastest.seconds
+        if ratio > AUTO_TOLERANCE:
+            flagged.add(len(body))
+        body.append(
+            (
+                OP_TITLES.get(str(r.op), str(r.op)),
+                AUTO[r.subject],
+                r.dtype,
+                _shape(r.shape),
+                _time(r.seconds),
+                f"{fastest.subject} {_time(fastest.seconds)}",
+                f"{ratio:.2f}",
+            )
+        )
+    return Table(
+        "normlab's own choice against the fastest backend",
+        ("op", "input", "dtype", "shape", "no backend named", "fastest named", "ratio"),
+        body,
+        "No backend named (dispatch included) against the fastest backend named on the same "
+        f"input; flagged above {AUTO_TOLERANCE:.2f}×.",
+        frozenset(flagged),
+    )
+
+
 def memory_table(run: dict[str, Any]) -> Table:
     body = []
     for m in run.get("normlab", {}).get("memory", []):
@@ -590,7 +636,7 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     dtypes = list(dict.fromkeys(r.dtype for r in all_rows))
     measured = ops(all_rows)
     tables = [summary_table(all_rows, op) for op in measured]
-    tables += [dispatch_table(run), memory_table(run)]
+    tables += [auto_table(all_rows), dispatch_table(run), memory_table(run)]
     tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
     return [t for t in tables if t.body]

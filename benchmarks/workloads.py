@@ -33,6 +33,7 @@ import numpy as np
 
 import normlab
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 __all__ = [
     "EPS",
@@ -45,7 +46,6 @@ __all__ = [
     "make_input",
     "make_params",
     "moved_bytes",
-    "numpy_dtype",
     "reference_call",
     "torch_forward",
 ]
@@ -64,15 +64,6 @@ LIMITS: Final = ("copy", "copyto")
 _CHUNK_ELEMENTS: Final = 1 << 20
 
 Call = Callable[[], Any]
-
-
-def numpy_dtype(name: str) -> np.dtype[Any]:
-    """The NumPy dtype called ``name`` (bfloat16 through ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def make_input(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
@@ -171,6 +162,30 @@ def backend_call(op: str, backend: Backend, data: Workload, out: bool) -> Call:
         return completing(
             lambda: normlab.layer_norm(xb, None, wb, bb, EPS, backend=name, out=yb), xb
         )
+    raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+
+
+#: normlab's own choice (no backend named) on inputs of each family: the matrix's "auto" rows.
+AUTO: Final = {"auto": "numpy", "auto-torch": "torch"}
+
+
+def auto_call(op: str, subject: str, data: Workload) -> Call:
+    """``normlab.<op>`` with no backend named, on inputs of the family of ``subject`` (see
+    :data:`AUTO`): what a user calling normlab gets, dispatch included."""
+    family = AUTO[subject]
+    convert = (lambda a: a) if family == "numpy" else _torch_view
+    x, weight, bias = (convert(a) for a in (data.x, data.weight, data.bias))
+    if op == "layer_norm_backward":
+        dy = convert(data.dy)
+        mean, rstd = (convert(a) for a in data.layer_norm_stats)
+        return lambda: normlab.layer_norm_backward(dy, x, mean, rstd, weight)
+    if op == "rms_norm_backward":
+        dy, rstd = convert(data.dy), convert(data.rms_norm_stats)
+        return lambda: normlab.rms_norm_backward(dy, x, rstd, weight)
+    if op == "rms_norm":
+        return lambda: normlab.rms_norm(x, None, weight, EPS)
+    if op == "layer_norm":
+        return lambda: normlab.layer_norm(x, None, weight, bias, EPS)
     raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
 
 

@@ -49,24 +49,24 @@ with atheris.instrument_imports(include=["normlab"], exclude=KERNELS):
     if torch is not None:
         import normlab.backends.torch_backend
 
+# Imported after the instrumented block: the test helpers are not what is fuzzed.
+from normlab.testing.conversions import (  # noqa: E402
+    NUMPY_LAYOUTS,
+    arrange,
+    conversion,
+    dtype_name,
+    numpy_dtype,
+    numpy_layout,
+    torch_dtype,
+)
+
 FAMILIES: Final = ("numpy", "torch") if torch is not None else ("numpy",)
 FLOATS: Final = ("float32", "float64", "float16", "bfloat16")
 ODD_DTYPES: Final = {
     "numpy": ("int32", "bool", "complex64", "object", "longdouble"),
     "torch": ("int32", "bool", "complex64"),
 }
-LAYOUTS: Final = (
-    "c",
-    "fortran",
-    "sliced",
-    "reversed",
-    "broadcast",
-    "swapped",
-    "readonly",
-    "unaligned",
-    "odd_strides",
-    "scalar",
-)
+LAYOUTS: Final = ("c", "fortran", "sliced", "reversed", "broadcast", *NUMPY_LAYOUTS, "scalar")
 NAMES: Final = ("numpy", "numba", "torch")
 ODD_NAMES: Final = ("cupy", "no_such_backend", 7, ("numpy",))
 ODD_VALUES: Final = (
@@ -94,14 +94,6 @@ ODD_VALUES: Final = (
     10**30,
 )
 OPS: Final = ("layer_norm", "rms_norm", "explain", "layer_norm_backward", "rms_norm_backward")
-
-
-def numpy_dtype(name: str) -> np.dtype[Any]:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 class Decoder:
@@ -144,17 +136,15 @@ class Decoder:
         )
         values = np.resize(values, shape) if values.size else np.zeros(shape)
         if family == "torch":
-            t = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
-            if layout == "broadcast" and t.ndim and t.shape[0]:
-                return t[:1].expand(t.shape)
-            if layout == "sliced" and t.ndim:
-                return torch.repeat_interleave(t, 2, dim=0)[::2]
-            if layout == "fortran" and t.ndim >= 2:
-                return t.transpose(0, -1).contiguous().transpose(0, -1)
-            if layout == "readonly" and t.is_floating_point():
-                t.requires_grad_()  # torch has no read-only tensors: the odd case is autograd
-            return t
-        return _numpy_layout(values.astype(numpy_dtype(dtype)), layout)
+            if layout == "readonly":  # torch has no read-only tensors: the odd case is autograd
+                t = torch.from_numpy(np.ascontiguousarray(values)).to(torch_dtype(dtype))
+                return t.requires_grad_() if t.is_floating_point() else t
+            torch_layout = layout if layout in ("fortran", "sliced", "broadcast") else "c"
+            return arrange(values.astype(numpy_dtype(dtype)), torch_layout, conversion("torch"))
+        typed = values.astype(numpy_dtype(dtype))
+        if layout == "scalar":
+            return typed.reshape(-1)[0] if typed.size else typed
+        return numpy_layout(typed, layout)
 
     def dims(self, shape: tuple[int, ...], trailing: bool) -> Any:
         """A normalized_shape (``trailing``) or axis: mostly None or valid, now and then odd."""
@@ -201,40 +191,12 @@ class Decoder:
 
 
 def _dtype(a: Any) -> str | None:
-    name = str(getattr(a, "dtype", "")).removeprefix("torch.")
+    name = dtype_name(a) if hasattr(a, "dtype") else ""
     return name if name in FLOATS else None
 
 
 def _family(a: Any) -> str:
     return "torch" if torch is not None and isinstance(a, torch.Tensor) else "numpy"
-
-
-def _numpy_layout(a: np.ndarray, layout: str) -> Any:
-    if layout == "scalar":
-        return a.reshape(-1)[0] if a.size else a
-    if a.ndim == 0:
-        return a
-    if layout == "fortran":
-        return np.asfortranarray(a)
-    if layout == "sliced":
-        return np.repeat(a, 2, axis=0)[::2]
-    if layout == "reversed":
-        return a[::-1]
-    if layout == "broadcast" and a.shape[0]:
-        return np.broadcast_to(a[:1], a.shape)
-    if layout == "swapped" and a.dtype.kind in "fc":
-        return a.astype(a.dtype.newbyteorder())
-    if layout == "readonly":
-        a.flags.writeable = False
-    elif layout == "unaligned" and a.dtype.kind != "O":
-        memory = np.zeros(a.nbytes + 1, np.uint8)[1:].view(a.dtype).reshape(a.shape)
-        memory[...] = a
-        return memory
-    elif layout == "odd_strides" and a.dtype.kind != "O":
-        padded = np.zeros(a.shape, dtype=[("v", a.dtype), ("pad", np.uint8)])
-        padded["v"] = a
-        return padded["v"]
-    return a
 
 
 def _call(d: Decoder) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
@@ -306,12 +268,8 @@ def check_result(result: Any, x: Any, out: Any) -> None:
         if y is not out_y:
             raise AssertionError("the result is not the out array")
         return
-    if type(y) is not type(x) or tuple(y.shape) != tuple(x.shape) or _name(y) != _name(x):
+    if type(y) is not type(x) or tuple(y.shape) != tuple(x.shape) or dtype_name(y) != dtype_name(x):
         raise AssertionError(f"result {type(y)} {y.dtype} {y.shape} for x {x.dtype} {x.shape}")
-
-
-def _name(a: Any) -> str:
-    return str(a.dtype).removeprefix("torch.") if _family(a) == "torch" else a.dtype.name
 
 
 def main() -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Final
 
-from normlab import backward, dispatch, layout, registry, spec
-from normlab.errors import NormlabError
+from normlab import autograd, backward, dispatch, layout, registry, spec
+from normlab.errors import ArgumentError, NormlabError
+from normlab.ops import BACKWARD_OPS
 
 __all__ = ["explain", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
 
@@ -51,9 +55,13 @@ def layer_norm(
         NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
             ArgumentError, BackendError).
     """
-    plan = spec.plan("layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out)
-    choice = dispatch.choose(plan, backend)
-    return layout.run(plan, choice, x, weight, bias, out)
+    call = spec.validated(
+        "layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out
+    )
+    choice = dispatch.choose(call.plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(call.plan, choice)
+    return layout.run(call, choice, x, weight, bias, out)
 
 
 def rms_norm(
@@ -82,9 +90,13 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    plan = spec.plan("rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out)
-    choice = dispatch.choose(plan, backend)
-    return layout.run(plan, choice, x, weight, None, out)
+    call = spec.validated(
+        "rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out
+    )
+    choice = dispatch.choose(call.plan, backend)
+    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
+        choice = autograd.through_graph(call.plan, choice)
+    return layout.run(call, choice, x, weight, None, out)
 
 
 def layer_norm_backward(
@@ -157,34 +169,51 @@ def rms_norm_backward(
     return dx, dweight
 
 
-def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
+def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     """Say which backend a call would use and why, without running it.
 
-    Takes the same arguments as the op (``explain(x, weight=w, backend="numba")``). The text
-    lists every registered backend with the reason it was or was not chosen, the preference in
-    force, and whether the call copies ``x``.
+    Takes the arguments of the op ``op`` (any op of :mod:`normlab.ops`), bound as the op's own
+    function binds them: ``explain(x, weight=w, backend="numba")``,
+    ``explain(dy, x, mean, rstd, op="layer_norm_backward")``. The text lists every registered
+    backend with the reason it was or was not chosen, the preference in force, and whether the
+    call copies its inputs.
     """
-    names = (
-        ("normalized_shape", "weight", "eps")
-        if op == "rms_norm"
-        else ("normalized_shape", "weight", "bias", "eps")
-    )
-    call = dict(zip(names, args, strict=False))
-    call.update(kwargs)
-    named = call.pop("backend", None)
-    default_eps = None if op == "rms_norm" else 1e-5
+    if op not in _FUNCTIONS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(_FUNCTIONS)}")
+    try:
+        bound = _signature(op).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ArgumentError(f"explain(op={op!r}): {exc}") from None
+    bound.apply_defaults()
+    arguments = bound.arguments
+    named = arguments["backend"]
+    x = arguments["x"]
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
-    plan = spec.plan(
-        op,
-        x,
-        call.get("normalized_shape"),
-        call.get("weight"),
-        call.get("bias"),
-        call.get("eps", default_eps),
-        call.get("axis"),
-        call.get("return_stats", False),
-        call.get("out"),
-    )
+    if op in BACKWARD_OPS:
+        call = spec.validated_backward(
+            op,
+            arguments["dy"],
+            x,
+            arguments.get("mean"),
+            arguments["rstd"],
+            arguments["weight"],
+            arguments["normalized_shape"],
+            arguments["axis"],
+            arguments["needs"],
+        )
+    else:
+        call = spec.validated(
+            op,
+            x,
+            arguments["normalized_shape"],
+            arguments["weight"],
+            arguments.get("bias"),
+            arguments["eps"],
+            arguments["axis"],
+            arguments["return_stats"],
+            arguments["out"],
+        )
+    plan = call.plan
     lines.append(
         f"  x: {plan.dtype} {plan.shape} on {plan.device}"
         f"{', requires grad' if plan.requires_grad else ''}; normalized axes {plan.axes} "
@@ -208,21 +237,40 @@ def explain(x: Any, *args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
             lines.append(f"    {b.name} (priority {b.priority}): {state}")
     if plan.empty:
         lines.append("  empty input: no kernel is launched")
-    else:
-        try:
-            r = layout.route(plan, choice)
-        except NormlabError as exc:
-            lines.append(f"  the chosen backend cannot run: {exc}")
-            return "\n".join(lines)
-        lines.append(f"  layout: {'copy of x — ' + r.copy_x if r.copy_x else 'no copy of x'}")
-        converted = ", ".join(sorted(plan.non_native - {"x"}))
-        if converted:
-            lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
-        if plan.has_out:
-            how = "directly" if r.out_direct else "through one temporary"
-            lines.append(f"  out: written {how}")
-        backend_notes = getattr(choice.backend.module, "explain", None)
-        if backend_notes is not None:
-            notes = backend_notes(x, plan=plan)
-            lines.extend(f"  {line}" for line in notes.splitlines())
+        return "\n".join(lines)
+    try:
+        if op in BACKWARD_OPS:
+            copies = {name: layout.copy_reason(name, call, choice.backend) for name in ("dy", "x")}
+        else:
+            copies = {"x": layout.route(call, choice).copy_x}
+    except NormlabError as exc:
+        lines.append(f"  the chosen backend cannot run: {exc}")
+        return "\n".join(lines)
+    for name, reason in copies.items():
+        lines.append(
+            f"  layout: {f'copy of {name} — ' + reason if reason else f'no copy of {name}'}"
+        )
+    converted = ", ".join(sorted(call.non_native - copies.keys()))
+    if converted:
+        lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
+    if call.has_out:
+        how = "directly" if layout.route(call, choice).out_direct else "through one temporary"
+        lines.append(f"  out: written {how}")
+    backend_notes = getattr(choice.backend.module, "explain", None)
+    if backend_notes is not None:
+        notes = backend_notes(x, plan=plan)
+        lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)
+
+
+_FUNCTIONS: Final[dict[str, Callable[..., Any]]] = {
+    "layer_norm": layer_norm,
+    "rms_norm": rms_norm,
+    "layer_norm_backward": layer_norm_backward,
+    "rms_norm_backward": rms_norm_backward,
+}
+
+
+@functools.cache
+def _signature(op: str) -> inspect.Signature:
+    return inspect.signature(_FUNCTIONS[op])

@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a backend unavailable here (no device, library missing): skip its tests, exit 0",
     )
     check.add_argument(
+        "--arrays",
+        metavar="FAMILY",
+        help="drive the backend with FAMILY arrays, which its record serves explicitly, on its "
+        "device (cupy: --arrays torch tests CUDA tensors)",
+    )
+    check.add_argument(
         "--json", metavar="FILE", help="also write every test's result to FILE as JSON"
     )
     check.add_argument(
@@ -134,6 +140,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     warm.add_argument("--cache-dir", help="numba's cache directory (NUMBA_CACHE_DIR)")
     warm.set_defaults(handler=_warmup)
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure each backend's cost on this machine, for the dispatcher's choice",
+        description="Time every available backend on a few sizes of x per op and dtype, fit a "
+        "fixed cost per call and a rate in bytes per microsecond, and store them in normlab's "
+        "cache directory, where the dispatcher reads them in place of the shipped models. "
+        "Run it on an idle machine (about a minute).",
+    )
+    calibrate.add_argument("--backends", nargs="+", metavar="NAME", help="default: every one")
+    calibrate.add_argument(
+        "--dtypes", nargs="+", choices=FLOAT_DTYPES, default=list(FLOAT_DTYPES), metavar="DTYPE"
+    )
+    calibrate.add_argument("--quick", action="store_true", help="two sizes only (a smoke test)")
+    calibrate.add_argument("--output", metavar="FILE", help="write here, not to the cache")
+    calibrate.set_defaults(handler=_calibrate)
     demo = commands.add_parser(
         "demo", help="run the worked example and a Transformer batch through every backend"
     )
@@ -143,6 +164,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def _error(message: str) -> None:
     Console(stderr=True).print(Text(f"normlab: {message}", style="bold red"), soft_wrap=True)
+
+
+def _calibrate(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> int:
+    """Measure the cost models and say where they went (``normlab.calibrate``)."""
+    from pathlib import Path
+
+    from normlab import calibrate
+    from normlab.errors import NormlabError
+
+    try:
+        path, measurements = calibrate.calibrate(
+            ns.backends,
+            ns.dtypes,
+            quick=ns.quick,
+            path=Path(ns.output) if ns.output else None,
+            progress=lambda line: console.print(line, highlight=False),
+        )
+    except NormlabError as exc:
+        _error(str(exc))
+        return 2
+    console.print(f"{len(measurements)} measurements; cost models written to {path}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,6 +357,7 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
         ns.name,
         profile=ns.profile,
         allow_unavailable=ns.allow_unavailable,
+        arrays=ns.arrays,
         json_path=ns.json,
         extra_pytest_args=(*short, *pytest_args),
     )

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["FLOAT_DTYPES", "HALF_DTYPES", "MACHINE_EPS", "ROW_CHUNK", "stats_dtype_for"]
+__all__ = ["FLOAT_DTYPES", "HALF_DTYPES", "ITEMSIZE", "MACHINE_EPS", "ROW_CHUNK", "stats_dtype_for"]
 
 FLOAT_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES: Final = frozenset({"float16", "bfloat16"})
+#: Bytes per element of each dtype.
+ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 #: ``finfo(dtype).eps``: rms_norm's default eps (as ``torch.nn.functional.rms_norm``).
 MACHINE_EPS: Final = {
     "float16": 2.0**-10,

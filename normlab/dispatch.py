@@ -5,14 +5,18 @@ Order of precedence:
 1. ``backend=`` names a backend: it must serve the array, else :class:`BackendError` (strict);
 2. ``use_backend(name)`` (a :class:`~contextvars.ContextVar`, thread- and async-safe) or the
    ``NORMLAB_BACKEND`` environment variable: a preference, used when that backend can serve;
-3. otherwise the highest-priority available backend that serves the op, the array family, the
-   device kind, the dtype and (for arrays that require grad) autograd.
+3. otherwise, among the available backends that serve the op, the array family, the device
+   kind, the dtype and (for tensors that require grad) the graph (see :func:`keeps_graph`): the
+   highest-priority one — unless it declares a cost model (:mod:`normlab.costs`), in which case
+   the able backend with the lowest estimated time among those that declare one (priority
+   breaks ties).
 
-A backend may serve a family from its ``explicit_families`` (zero-copy service of another
-library's arrays) only when named by ``backend=`` or ``use_backend``. There are no implicit device
-moves and no conversions between array libraries. Choices are cached per (op, family, device
-kind, dtype, requires-grad, named backend, preference); the ``normlab.dispatch`` logger says at
-DEBUG what was chosen and why.
+A backend serves the families of its ``zero_copy_families`` (another library's arrays, read in
+place on the same device) like its own; those of its ``explicit_families`` only when named by
+``backend=`` or ``use_backend``. There are no implicit device moves and no conversions between
+array libraries. Choices are cached per (op, family, device kind, dtype, requires-grad, size
+bucket, named backend, preference): a pure function of metadata and the cost models, never of
+timings taken at call time. The ``normlab.dispatch`` logger says at DEBUG what was chosen and why.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
 
-from normlab import registry
+from normlab import costs, registry
 from normlab.errors import BackendError, NormlabWarning
 from normlab.registry import Backend
 from normlab.spec import Plan
@@ -38,6 +42,7 @@ __all__ = [
     "choose",
     "clear_caches",
     "current_preference",
+    "keeps_graph",
     "refusal",
     "use_backend",
 ]
@@ -53,11 +58,17 @@ _generation = -1
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """The backend chosen for a call, and one line per candidate saying why it won or lost."""
+    """The backend chosen for a call, and one line per candidate saying why it won or lost.
+
+    ``records_no_graph``: the call is on torch tensors and the backend records no autograd graph
+    itself (no ``autograd`` capability); the core runs such a backend through normlab's custom
+    ops when a tensor requires grad or a torch trace is in progress (:mod:`normlab.autograd`).
+    """
 
     backend: Backend
     how: str
     notes: tuple[str, ...]
+    records_no_graph: bool = False
 
 
 @contextmanager
@@ -129,7 +140,9 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
     """What in ``backend``'s record does not fit ``plan`` (availability aside)."""
     if plan.op not in backend.ops:
         return f"does not provide {plan.op}"
-    families = backend.families | (backend.explicit_families if named else frozenset())
+    families = backend.families | backend.zero_copy_families
+    if named:
+        families |= backend.explicit_families
     if plan.family not in families:
         served = ", ".join(sorted(backend.families))
         extra = ""
@@ -142,9 +155,23 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
         return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"
     if plan.dtype not in backend.dtypes:
         return f"serves dtypes {', '.join(sorted(backend.dtypes))}, not {plan.dtype}"
-    if plan.requires_grad and "autograd" not in backend.capabilities:
-        return "does not support autograd and x requires grad (normlab never detaches silently)"
+    if plan.requires_grad and not keeps_graph(backend, plan.op):
+        return (
+            f"does not support autograd (it records no graph and provides no "
+            f"{plan.op}_backward for normlab's custom op) and x requires grad (normlab never "
+            "detaches silently)"
+        )
     return None
+
+
+def keeps_graph(backend: Backend, op: str) -> bool:
+    """Whether torch tensors that require grad keep their autograd graph through ``backend``'s
+    ``op``: the backend records graphs itself (the ``autograd`` capability), or the core runs it
+    through normlab's custom op, whose gradient is the backend's own backward op (provided).
+    A backward op run that way stays in the graph as a leaf op (no double backward)."""
+    if "autograd" in backend.capabilities:
+        return True
+    return op.endswith("_backward") or f"{op}_backward" in backend.ops
 
 
 def choose(plan: Plan, named: str | None = None) -> Choice:
@@ -157,13 +184,24 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     if generation != _generation:  # plugins came or went: every cached choice is stale
         _choices.clear()
         _generation = generation
-    key = (plan.dispatch_key, named, preference)
+    key = (
+        plan.op,
+        plan.family,
+        plan.device_kind,
+        plan.dtype,
+        plan.requires_grad,
+        costs.bucket(plan),
+        named,
+        preference,
+    )
     choice = _choices.get(key)
     if choice is None:
         choice = _decide(plan, named, preference)
+        if plan.family == "torch" and "autograd" not in choice.backend.capabilities:
+            choice = Choice(choice.backend, choice.how, choice.notes, records_no_graph=True)
         _choices[key] = choice
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s: %s", plan.dispatch_key, "; ".join(choice.notes))
+            logger.debug("%s: %s", key[:5], "; ".join(choice.notes))
     return choice
 
 
@@ -176,6 +214,17 @@ def _load_failure(backend: Backend) -> str | None:
         warnings.warn(f"{exc}; falling back to the next backend", NormlabWarning, stacklevel=5)
         return f"unavailable: {backend.reason}"
     return None
+
+
+def _cheapest(able: list[tuple[Backend, float | None]]) -> tuple[Backend, bool]:
+    """The backend to use among ``able`` (highest priority first, with their estimates), and
+    whether cost decided: the highest-priority one unless it has an estimate, then the lowest
+    estimate among those that have one (the earlier, higher-priority one on a tie)."""
+    first, first_estimate = able[0]
+    if first_estimate is None:
+        return first, False
+    estimated = [(e, i) for i, (_, e) in enumerate(able) if e is not None]
+    return able[min(estimated)[1]][0], len(estimated) > 1
 
 
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
@@ -199,26 +248,36 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
                 (f"{preference}: preferred and able to serve",),
             )
         notes.append(f"{preference}: preferred but it {why}; falling back to priority")
-    chosen: Backend | None = None
+    able: list[tuple[Backend, float | None]] = []
     for backend in registry.list_backends():
         why = refusal(backend, plan, named=False)
-        if why is None and chosen is None:
-            why = _load_failure(backend)
-        if why is not None:
-            notes.append(f"{backend.name} (priority {backend.priority}): {why}")
-        elif chosen is None:
-            chosen = backend
-            notes.append(
-                f"{backend.name} (priority {backend.priority}): chosen, highest priority "
-                "able to serve"
-            )
+        if why is None:
+            able.append((backend, costs.estimate_us(backend, plan)))
         else:
-            notes.append(
-                f"{backend.name} (priority {backend.priority}): able to serve, lower priority"
-            )
+            notes.append(f"{backend.name} (priority {backend.priority}): {why}")
+    chosen: Backend | None = None
+    by_cost = False
+    while able and chosen is None:
+        candidate, by_cost = _cheapest(able)
+        failure = _load_failure(candidate)
+        if failure is not None:
+            notes.append(f"{candidate.name} (priority {candidate.priority}): {failure}")
+            able = [(b, e) for b, e in able if b is not candidate]
+            continue
+        chosen = candidate
+        for backend, estimate in able:
+            cost = "" if estimate is None else f", estimated {estimate:.3g} µs"
+            if backend is chosen:
+                why = "lowest estimated cost" if by_cost else "highest priority able to serve"
+                notes.append(f"{backend.name} (priority {backend.priority}): chosen, {why}{cost}")
+            else:
+                why = "higher estimated cost" if by_cost else "lower priority"
+                notes.append(
+                    f"{backend.name} (priority {backend.priority}): able to serve, {why}{cost}"
+                )
     if chosen is None:
         raise BackendError(
             f"no backend can serve a {plan.family} array of {plan.dtype} on {plan.device} for "
             f"{plan.op}: " + "; ".join(notes)
         )
-    return Choice(chosen, "highest priority", tuple(notes))
+    return Choice(chosen, "lowest estimated cost" if by_cost else "highest priority", tuple(notes))

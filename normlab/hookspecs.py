@@ -44,7 +44,9 @@ The rest of a Plan is the core's routing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -53,10 +55,13 @@ import pluggy
 __all__ = [
     "ARRAY_API",
     "CAPABILITIES",
+    "DEPRECATED_PLAN_FIELDS",
     "PLAN_FIELDS",
     "PROJECT",
     "BackendRecord",
+    "CostModel",
     "Plan",
+    "cost_table",
     "hookimpl",
     "hookspec",
     "normlab_backends",
@@ -73,7 +78,8 @@ CAPABILITIES: Final = frozenset(
         "row_strided",  # reads a 2-D view with any row stride and unit column stride
         "out",  # writes into a caller's 2-D ``out`` (with the same stride rules as x)
         "inplace",  # ``out`` may be the very memory of ``x``
-        "autograd",  # serves arrays that require grad and keeps the graph
+        "autograd",  # records torch's autograd graph itself (without it, a backend that
+        # provides an op's backward op is run by the core through normlab's custom ops)
     }
 )
 
@@ -86,16 +92,14 @@ ARRAY_API: Final = "array_api"
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A validated normalization call, independent of any backend.
+    """A validated normalization call, as a backend sees it (the fields in :data:`PLAN_FIELDS`).
 
     The normalized axes (``axes``) are reduced; the other axes (``batch_axes``) index rows.
-    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array is viewed with
-    the batch axes first and the normalized axes last (``permutation``, ``None`` when that is
-    already the order), then as ``(rows, cols)``. ``x_strides``/``out_strides`` are the element
-    strides ``(row, col)`` of that 2-D view, or ``None`` when no such view exists (a copy is
-    needed). Statistics are computed in ``compute_dtype`` and returned in ``stats_dtype``.
-    ``non_native`` names the input arrays in non-native byte order (see :func:`non_native`):
-    the core hands the backend native copies of them, so a backend never sees one.
+    ``rows``/``cols`` are the sizes of the 2-D problem a backend sees: the array viewed with the
+    batch axes first and the normalized axes last, then as ``(rows, cols)``. Statistics are
+    computed in ``compute_dtype`` and returned in ``stats_dtype``. How the core makes those rows
+    (permutation, strides, copies, ``out``, byte order, caches) is the core's own
+    ``normlab.spec.Layout``; the Plan's former fields for it are deprecated properties.
     """
 
     op: str
@@ -116,15 +120,8 @@ class Plan:
     eps: float
     return_stats: bool
     requires_grad: bool
-    permutation: tuple[int, ...] | None
-    x_strides: tuple[int, int] | None
-    x_native: bool
-    has_out: bool
-    out_strides: tuple[int, int] | None
-    out_stats: tuple[bool, bool]
-    dispatch_key: tuple[Any, ...]
-    routes: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    non_native: frozenset[str] = frozenset()
+    #: The core's Layout of this call (set once by ``normlab.spec``); for the deprecated fields.
+    _layout: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def has_weight(self) -> bool:
@@ -142,6 +139,35 @@ class Plan:
     @property
     def empty(self) -> bool:
         return self.rows == 0 or self.cols == 0
+
+
+def _deprecated_routing_field(name: str) -> property:
+    def read(plan: Plan) -> Any:
+        warnings.warn(
+            f"Plan.{name} is deprecated: it is the core's routing, not for backends (normlab "
+            "makes the rows a backend reads); read only the fields in normlab.hookspecs."
+            "PLAN_FIELDS",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(plan._layout, name)
+
+    return property(read, doc=f"Deprecated: the core's routing ({name}); see PLAN_FIELDS.")
+
+
+#: Former Plan fields that moved to the core's Layout; reading them on a Plan warns.
+DEPRECATED_PLAN_FIELDS: Final = (
+    "permutation",
+    "x_strides",
+    "x_native",
+    "has_out",
+    "out_strides",
+    "out_stats",
+    "routes",
+    "non_native",
+)
+for _name in DEPRECATED_PLAN_FIELDS:
+    setattr(Plan, _name, _deprecated_routing_field(_name))
 
 
 #: The fields of a :class:`~normlab.Plan` a backend may read.
@@ -164,6 +190,45 @@ PLAN_FIELDS: Final = (
     "batch_axes",
     "normalized_shape",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """The time of one call on a backend: ``fixed_us + x_bytes / bytes_per_us[dtype]``
+    microseconds, where ``x_bytes`` is the size of x (rows x cols x itemsize) and
+    ``bytes_per_us`` the sustained rate per dtype name (a dtype not listed: no estimate).
+    Fitted from timings of the backend on this kind of machine (``normlab calibrate``)."""
+
+    fixed_us: float
+    bytes_per_us: Mapping[str, float]
+
+    def estimate_us(self, x_bytes: float, dtype: str) -> float | None:
+        """The estimated time of a call on ``x_bytes`` bytes of x, or None for another dtype."""
+        rate = self.bytes_per_us.get(dtype)
+        return None if rate is None else self.fixed_us + x_bytes / rate
+
+
+def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
+    """Cost models from their JSON form, ``{"backends": {name: {op: {"fixed_us": f,
+    "bytes_per_us": {dtype: rate}}}}}`` → ``{name: {op: CostModel}}``; ValueError naming what is
+    malformed (every number finite and >= 0, every rate > 0)."""
+    try:
+        table = {
+            name: {op: _cost_model(e["fixed_us"], e["bytes_per_us"]) for op, e in ops.items()}
+            for name, ops in data["backends"].items()
+        }
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a cost table: {type(exc).__name__}: {exc}") from None
+    return table
+
+
+def _cost_model(fixed_us: Any, rates: Any) -> CostModel:
+    numbers = [fixed_us, *rates.values()]
+    if not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in numbers):
+        raise ValueError(f"costs must be finite numbers >= 0, got {fixed_us!r}, {rates!r}")
+    if any(r == 0 for r in rates.values()):
+        raise ValueError(f"a rate of 0 bytes per microsecond: {rates!r}")
+    return CostModel(float(fixed_us), {str(k): float(v) for k, v in rates.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +256,14 @@ class BackendRecord:
             results to zero (XLA on the CPU does): the contract's range then excludes subnormal
             inputs for this backend, and the conformance suite skips its subnormal cases,
             saying so.
+        zero_copy_families: further families the backend serves without a copy on the same
+            device, eligible by default (unlike ``explicit_families``): the dispatcher picks
+            between it and the family's own backend by cost when both declare a cost model.
+        costs: the :class:`CostModel` of one call, per op name (``"layer_norm"``) or per op and
+            family (``"layer_norm:torch"``, preferred when both are given); the dispatcher
+            compares the estimates of able backends that both declare one (else priority
+            decides).
+            ``normlab calibrate`` measures them on the user's machine, overriding these.
         inspector: the import path (``"pkg.mod:Class"``) of a :class:`normlab.arrays.Inspector`
             subclass for the arrays of ``families``, imported when normlab first meets one;
             ``None``: normlab's own (NumPy, PyTorch and CuPy arrays always get normlab's own).
@@ -210,6 +283,8 @@ class BackendRecord:
     library: str | None = None
     description: str = ""
     flushes_subnormals: bool = False
+    zero_copy_families: frozenset[str] = frozenset()
+    costs: Mapping[str, CostModel] = field(default_factory=dict, hash=False)
     inspector: str | None = None
 
 

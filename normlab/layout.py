@@ -17,9 +17,19 @@ from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
-from normlab.spec import Aliasing, Plan, output_aliasing, split_out
+from normlab.spec import Aliasing, Layout, Plan, output_aliasing, split_out
 
-__all__ = ["Route", "native", "route", "run"]
+__all__ = [
+    "Route",
+    "copy_reason",
+    "flat",
+    "from_rows",
+    "kernel_failure",
+    "native",
+    "route",
+    "rows",
+    "run",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,51 +58,58 @@ def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: 
     return unit_cols and (row == plan.cols or plan.rows == 1)
 
 
-def route(plan: Plan, choice: Choice) -> Route:
-    """The :class:`Route` of ``plan`` on the chosen backend (cached on the plan)."""
+def copy_reason(name: str, call: Layout, backend: Backend) -> str | None:
+    """Why the x-like input ``name`` (x, dy, …) must be copied to C-contiguous rows for
+    ``backend``, or None when the backend reads it as it is (families without strides: never)."""
+    plan = call.plan
+    if plan.family not in ("numpy", "cupy", "torch"):
+        return None
+    strides = call.strides[name]
+    if name in call.non_native:
+        return f"{name} has non-native byte order"
+    if strides is None:
+        return f"{name}'s batch or normalized axes cannot be viewed as 2-D rows without a copy"
+    if not _reads(backend.capabilities, strides, plan):
+        return f"backend {backend.name!r} reads only C-contiguous rows"
+    return None
+
+
+def route(call: Layout, choice: Choice) -> Route:
+    """The :class:`Route` of ``call`` on the chosen backend (cached on the Layout)."""
     backend = choice.backend
-    cached = plan.routes.get(backend)
+    cached = call.routes.get(backend)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
+    plan = call.plan
     caps = backend.capabilities
-    copy_x = None
-    if plan.family in ("numpy", "cupy", "torch"):
-        if not plan.x_native:
-            copy_x = "x has non-native byte order"
-        elif plan.x_strides is None:
-            copy_x = "x's batch or normalized axes cannot be viewed as 2-D rows without a copy"
-        elif not _reads(caps, plan.x_strides, plan):
-            copy_x = f"backend {backend.name!r} reads only C-contiguous rows"
-    order = plan.permutation
-    inverse = None if order is None else tuple(order.index(a) for a in range(len(order)))
-    permuted = plan.shape if order is None else tuple(plan.shape[a] for a in order)
+    copy_x = copy_reason("x", call, backend)
     result = Route(
         function=backend.function(plan.op),
         direct=(
             copy_x is None
-            and order is None
+            and call.permutation is None
             and len(plan.axes) == 1
             and plan.shape == (plan.rows, plan.cols)
-            and not plan.has_out
+            and not call.has_out
             and not plan.return_stats
             and not plan.empty
-            and not plan.non_native
+            and not call.non_native
         ),
         copy_x=copy_x,
         # with an input that requires grad, the core copies the result into out (recorded by
         # autograd): a backend writing out itself would leave the graph
         out_direct=(
-            plan.has_out
+            call.has_out
             and not plan.requires_grad
             and "out" in caps
-            and _reads(caps, plan.out_strides, plan)
+            and _reads(caps, call.out_strides, plan)
         ),
         inplace_ok="inplace" in caps,
-        inverse=inverse,
-        permuted_shape=permuted,
+        inverse=call.inverse,
+        permuted_shape=call.permuted_shape,
         stats_permuted_shape=tuple(plan.shape[a] for a in plan.batch_axes) + (1,) * len(plan.axes),
     )
-    plan.routes[backend] = result
+    call.routes[backend] = result
     return result
 
 
@@ -108,22 +125,28 @@ def native(a: Any) -> Any:
     return a.astype(a.dtype.newbyteorder("="))
 
 
-def _to_rows(a: Any, plan: Plan, r: Route, copy: bool) -> Any:
-    if plan.permutation is not None:
-        a = arrays.permute(a, plan.permutation)
+def rows(a: Any, call: Layout, copy: bool) -> Any:
+    """The x-like array ``a`` (x, dy, out, …) as the 2-D ``(rows, cols)`` view a backend reads:
+    batch axes first; a C-contiguous copy when ``copy`` (see :func:`copy_reason`)."""
+    plan = call.plan
+    if call.permutation is not None:
+        a = arrays.permute(a, call.permutation)
     if copy:
         a = arrays.contiguous(a)
     return arrays.reshape(a, (plan.rows, plan.cols))
 
 
-def _from_rows(a: Any, plan: Plan, r: Route, shape: tuple[int, ...]) -> Any:
+def from_rows(a: Any, shape: tuple[int, ...], inverse: tuple[int, ...] | None) -> Any:
+    """A backend's 2-D result back in the caller's axes: reshaped to ``shape`` (the permuted
+    shape) and permuted by ``inverse``."""
     a = arrays.reshape(a, shape)
-    if r.inverse is not None:
-        a = arrays.permute(a, r.inverse)
+    if inverse is not None:
+        a = arrays.permute(a, inverse)
     return a
 
 
-def _flat(p: Any, plan: Plan) -> Any:
+def flat(p: Any, plan: Plan) -> Any:
+    """A per-feature array (weight, bias) as the 1-D ``(cols,)`` array a backend reads."""
     if p is None or len(plan.normalized_shape) == 1:
         return p
     return arrays.reshape(arrays.contiguous(p), (plan.cols,))
@@ -132,17 +155,17 @@ def _flat(p: Any, plan: Plan) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
-def run(plan: Plan, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
+def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) -> Any:
     """Run the chosen backend on ``x`` and return what ``layer_norm`` returns."""
-    r = plan.routes.get(choice.backend)
+    r = call.routes.get(choice.backend)
     try:
         if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
-            return r.function(x, weight, bias, plan=plan, out=None)[0]
-        return _run(plan, choice, r, x, weight, bias, out)
+            return r.function(x, weight, bias, plan=call.plan, out=None)[0]
+        return _run(call, choice, r, x, weight, bias, out)
     except NormlabError:
         raise
     except (Exception, SystemExit) as exc:  # a kernel's sys.exit() must not end the caller
-        raise kernel_failure(choice.backend, plan.op, exc) from exc
+        raise kernel_failure(choice.backend, call.plan.op, exc) from exc
 
 
 def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendError:
@@ -154,9 +177,10 @@ def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendErro
 
 
 def _run(
-    plan: Plan, choice: Choice, r: Route | None, x: Any, weight: Any, bias: Any, out: Any
+    call: Layout, choice: Choice, r: Route | None, x: Any, weight: Any, bias: Any, out: Any
 ) -> Any:
     """The general path of :func:`run`: views, copies, ``out``, statistics."""
+    plan = call.plan
     out_y, out_mean, out_rstd = split_out(plan.op, out)
     aliasing: Aliasing = "separate"
     if out is not None:
@@ -165,33 +189,33 @@ def _run(
             {"x": x, "weight": weight, "bias": bias},
             {"y": out_y, "mean": out_mean, "rstd": out_rstd},
         )
-    if plan.non_native:  # x itself is copied by the route (copy_x)
+    if call.non_native:  # x itself is copied by the route (copy_x)
         weight, bias = native(weight), native(bias)
     if plan.empty:
         y, mean, rstd = _empty_result(plan, x, weight, bias, out_y)
     else:
-        r = r or route(plan, choice)
-        x2 = _to_rows(x, plan, r, copy=r.copy_x is not None)
+        r = r or route(call, choice)
+        x2 = rows(x, call, copy=r.copy_x is not None)
         backend_out = None
         if out_y is not None and r.out_direct and aliasing != "temporary":
             in_place = aliasing == "in_place" and r.copy_x is None
             if not in_place or r.inplace_ok:
-                backend_out = _to_rows(out_y, plan, r, copy=False)
+                backend_out = rows(out_y, call, copy=False)
         y2, mean1, rstd1 = r.function(
-            x2, _flat(weight, plan), _flat(bias, plan), plan=plan, out=backend_out
+            x2, flat(weight, plan), flat(bias, plan), plan=plan, out=backend_out
         )
         if out_y is not None and backend_out is None:
-            arrays.copy_into(out_y, _from_rows(y2, plan, r, r.permuted_shape))
+            arrays.copy_into(out_y, from_rows(y2, r.permuted_shape, r.inverse))
             y = out_y
         elif out_y is not None:
             arrays.mark_written(out_y)
             y = out_y
         else:
-            y = _from_rows(y2, plan, r, r.permuted_shape)
+            y = from_rows(y2, r.permuted_shape, r.inverse)
         if not plan.return_stats:
             return y
-        mean = None if mean1 is None else _from_rows(mean1, plan, r, r.stats_permuted_shape)
-        rstd = _from_rows(rstd1, plan, r, r.stats_permuted_shape)
+        mean = None if mean1 is None else from_rows(mean1, r.stats_permuted_shape, r.inverse)
+        rstd = from_rows(rstd1, r.stats_permuted_shape, r.inverse)
     if not plan.return_stats:
         return y
     if out_mean is not None:

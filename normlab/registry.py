@@ -101,6 +101,10 @@ class Backend:
         return self.record.explicit_families
 
     @property
+    def zero_copy_families(self) -> frozenset[str]:
+        return self.record.zero_copy_families
+
+    @property
     def devices(self) -> frozenset[str]:
         return self.record.devices
 

@@ -14,6 +14,7 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, cast
 
 from normlab import arrays
@@ -21,12 +22,13 @@ from normlab.arrays import ArrayInfo
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES, MACHINE_EPS, stats_dtype_for
 from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError, ShapeError
 from normlab.hookspecs import Plan
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS, OPS
 
 __all__ = [
     "FLOAT_DTYPES",
     "HALF_DTYPES",
-    "IN_PLACE_PAIRS",
     "Aliasing",
+    "Layout",
     "Plan",
     "non_native",
     "output_aliasing",
@@ -35,9 +37,10 @@ __all__ = [
     "split_out",
     "stats_dtype_for",
     "stats_names",
+    "validated",
+    "validated_backward",
 ]
 
-OPS: Final = ("layer_norm", "rms_norm")
 _PLAN_CACHE_SIZE: Final = 4096
 
 
@@ -89,10 +92,45 @@ def _collapsed_stride(dims: list[tuple[int, int]], default: int) -> int | None:
     return dims[-1][1]
 
 
-_cache: dict[tuple[Any, ...], Plan] = {}
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How the core runs one validated call, for any op (core-only: backends see ``plan``).
+
+    The caller's arrays are viewed with the batch axes first and the normalized axes last
+    (``permutation``, None when that is already the order), then as 2-D ``(rows, cols)``.
+    ``strides`` maps each x-like input (x, dy, …) to the element strides ``(row, col)`` of that
+    view, or None when no such view exists (a copy is needed); ``out_strides`` likewise for
+    ``out``. ``non_native`` names the inputs in non-native byte order (the core hands backends
+    native copies). ``needs``: the gradients a backward call asks for. ``routes`` caches, per
+    backend, how this call runs on it (:func:`normlab.layout.route`).
+    """
+
+    plan: Plan
+    permutation: tuple[int, ...] | None
+    inverse: tuple[int, ...] | None
+    permuted_shape: tuple[int, ...]
+    strides: dict[str, tuple[int, int] | None]
+    non_native: frozenset[str]
+    has_out: bool
+    out_strides: tuple[int, int] | None
+    out_stats: tuple[bool, bool]
+    needs: frozenset[str] = frozenset()
+    routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def x_strides(self) -> tuple[int, int] | None:
+        return self.strides["x"]
+
+    @property
+    def x_native(self) -> bool:
+        return "x" not in self.non_native
 
 
-def plan(
+#: Plans of every op, keyed by the op's name and its arguments' metadata.
+_cache: dict[tuple[Any, ...], Any] = {}
+
+
+def validated(
     op: str,
     x: Any,
     normalized_shape: Any,
@@ -102,8 +140,9 @@ def plan(
     axis: Any,
     return_stats: Any,
     out: Any,
-) -> Plan:
-    """Validate a call and return its :class:`Plan` (cached by the arguments' metadata)."""
+) -> Layout:
+    """Validate a forward call and return its :class:`Layout` (cached by the arguments'
+    metadata; a repeated call costs one dictionary lookup)."""
     if eps is not None and type(eps) is not float and arrays.is_array(eps):
         eps = _eps_from_array(eps)
     key: tuple[Any, ...] | None
@@ -127,13 +166,65 @@ def plan(
     except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
         key, cached = None, None
     if cached is not None:
-        return cached
+        return cast("Layout", cached)
     result = _validate(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out)
+    _remember(key, result)
+    return result
+
+
+def plan(
+    op: str,
+    x: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    axis: Any,
+    return_stats: Any,
+    out: Any,
+) -> Plan:
+    """The :class:`Plan` a backend receives for a forward call (tests and tools drive backends
+    with it)."""
+    return validated(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out).plan
+
+
+def validated_backward(
+    op: str,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    normalized_shape: Any,
+    axis: Any,
+    needs: Any,
+) -> Layout:
+    """Validate a backward call and return its :class:`Layout` (cached as :func:`validated`)."""
+    key: tuple[Any, ...] | None
+    try:
+        key = (
+            op,
+            *(None if a is None else _param_key(a) for a in (dy, x, mean, rstd, weight)),
+            normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
+            axis if axis is None else _dims_key(axis),
+            type(needs),
+            tuple(needs) if isinstance(needs, (tuple, list)) else needs,
+        )
+        cached = _cache.get(key)
+    except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
+        key, cached = None, None
+    if cached is not None:
+        return cast("Layout", cached)
+    result = _validate_backward(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
+    _remember(key, result)
+    return result
+
+
+def _remember(key: tuple[Any, ...] | None, result: Any) -> None:
     if key is not None:
         if len(_cache) >= _PLAN_CACHE_SIZE:
             _cache.clear()
         _cache[key] = result
-    return result
 
 
 def clear_cache() -> None:
@@ -165,7 +256,7 @@ def _out_key(out: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# The rules. Only reached on a cache miss.
+# The rules, for every op of the table. Only reached on a cache miss.
 
 
 def _validate(
@@ -178,9 +269,49 @@ def _validate(
     axis: Any,
     return_stats: Any,
     out: Any,
-) -> Plan:
-    if op not in OPS:
-        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
+) -> Layout:
+    """A forward call's :class:`Layout`."""
+    if op not in FORWARD_OPS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(FORWARD_OPS)}")
+    if "bias" not in OPS[op].per_feature and bias is not None:
+        raise ArgumentError(f"{op} takes no bias (y = x / sqrt(mean(x^2) + eps) * weight)")
+    inputs = {"x": x, "weight": weight, "bias": bias}
+    return _validate_call(op, inputs, normalized_shape, axis, eps, return_stats, out, frozenset())
+
+
+def _validate_backward(
+    op: str,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    normalized_shape: Any,
+    axis: Any,
+    needs: Any,
+) -> Layout:
+    """A backward call's :class:`Layout`."""
+    if op not in BACKWARD_OPS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(BACKWARD_OPS)}")
+    wanted = _check_needs(op, needs)
+    inputs = {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "weight": weight}
+    return _validate_call(op, inputs, normalized_shape, axis, 0.0, False, None, wanted)
+
+
+def _validate_call(
+    op: str,
+    inputs: dict[str, Any],
+    normalized_shape: Any,
+    axis: Any,
+    eps: Any,
+    return_stats: Any,
+    out: Any,
+    needs: frozenset[str],
+) -> Layout:
+    """The rules of the op table for ``op``: x first, then every other input by its role, then
+    eps, return_stats and out."""
+    table = OPS[op]
+    x = inputs["x"]
     xi = _array_info("x", x)
     _check_float("x", xi)
     if xi.ndim == 0:
@@ -189,27 +320,39 @@ def _validate(
     batch_axes = tuple(a for a in range(xi.ndim) if a not in axes)
     norm_shape = tuple(xi.shape[a] for a in axes)
     compute = stats_dtype_for(xi.dtype)
-    weight_dtype = _check_param("weight", weight, xi, norm_shape)
-    if op == "rms_norm" and bias is not None:
-        raise ArgumentError("rms_norm takes no bias (y = x / sqrt(mean(x^2) + eps) * weight)")
-    bias_dtype = _check_param("bias", bias, xi, norm_shape)
-    default_eps = op == "rms_norm" and eps is None
-    eps_value = MACHINE_EPS[xi.dtype] if default_eps else _check_eps(eps)
+    stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
+    infos = {"x": xi}
+    for name in (n for n in table.like_x if n != "x"):
+        infos[name] = _check_companion(name, inputs[name], xi, xi.shape, {xi.dtype}, "x's shape")
+    for name in table.stats:
+        what = "x's shape with 1 on the normalized axes"
+        infos[name] = _check_companion(name, inputs[name], xi, stats_shape, {compute}, what)
+    param_dtypes = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
+    for name in table.per_feature:
+        if inputs[name] is not None:
+            what = "the normalized shape of x"
+            infos[name] = _check_companion(name, inputs[name], xi, norm_shape, param_dtypes, what)
+    if not table.takes_eps:
+        eps_value = 0.0
+    elif eps is None and table.default_eps is None:
+        eps_value = MACHINE_EPS[xi.dtype]
+    else:
+        eps_value = _check_eps(eps)
     if not isinstance(return_stats, bool):
         raise ArgumentError(f"return_stats must be True or False, got {return_stats!r}")
     permutation = batch_axes + axes
     permutation_or_none = None if permutation == tuple(range(xi.ndim)) else permutation
-    stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
     out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute, op)
     out_strides = None
     if out_y is not None and out_y.native_byte_order:  # else written through a temporary
         out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
-    rows = math.prod(xi.shape[a] for a in batch_axes)
-    requires_grad = xi.requires_grad or any(
-        arrays.info(p).requires_grad for p in (weight, bias) if p is not None
-    )
-    dispatch_key = (op, xi.family, xi.device_kind, xi.dtype, requires_grad)
-    return Plan(
+    requires_grad = any(info.requires_grad for info in infos.values())
+    strides = {
+        name: row_view_strides(infos[name].shape, infos[name].strides, batch_axes, axes)
+        for name in table.like_x
+    }
+    weight, bias = (infos.get(name) for name in ("weight", "bias"))
+    plan = Plan(
         op=op,
         family=xi.family,
         device=xi.device,
@@ -219,24 +362,48 @@ def _validate(
         axes=axes,
         batch_axes=batch_axes,
         normalized_shape=norm_shape,
-        rows=rows,
+        rows=math.prod(xi.shape[a] for a in batch_axes),
         cols=math.prod(norm_shape),
         compute_dtype=compute,
         stats_dtype=compute,
-        weight_dtype=weight_dtype,
-        bias_dtype=bias_dtype,
+        weight_dtype=None if weight is None else weight.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
         eps=eps_value,
         return_stats=return_stats,
         requires_grad=requires_grad,
+    )
+    result = Layout(
+        plan=plan,
         permutation=permutation_or_none,
-        x_strides=row_view_strides(xi.shape, xi.strides, batch_axes, axes),
-        x_native=xi.native_byte_order,
+        inverse=None
+        if permutation_or_none is None
+        else tuple(permutation.index(a) for a in range(xi.ndim)),
+        permuted_shape=tuple(xi.shape[a] for a in permutation),
+        strides=strides,
+        non_native=non_native(**inputs),
         has_out=out_y is not None,
         out_strides=out_strides,
         out_stats=out_stats,
-        dispatch_key=dispatch_key,
-        non_native=non_native(x=x, weight=weight, bias=bias),
+        needs=needs,
     )
+    object.__setattr__(plan, "_layout", result)  # for Plan's deprecated routing fields
+    return result
+
+
+def _check_needs(op: str, needs: Any) -> frozenset[str]:
+    known = OPS[op].gradients
+    if isinstance(needs, str) or not isinstance(needs, (tuple, list, set, frozenset)):
+        raise ArgumentError(
+            f"needs must be a tuple of gradient names ({', '.join(map(repr, known))}), "
+            f"got {needs!r}"
+        )
+    unknown = [n for n in needs if n not in known]
+    if unknown:
+        raise ArgumentError(
+            f"needs names {', '.join(map(repr, unknown))}; {op} returns gradients for "
+            f"{', '.join(map(repr, known))}"
+        )
+    return frozenset(needs)
 
 
 def _array_info(name: str, value: Any) -> ArrayInfo:
@@ -315,29 +482,32 @@ def _normalized_axes(shape: tuple[int, ...], normalized_shape: Any, axis: Any) -
     return axes
 
 
-def _check_param(name: str, p: Any, xi: ArrayInfo, norm_shape: tuple[int, ...]) -> str | None:
-    if p is None:
-        return None
-    pi = _array_info(name, p)
-    if pi.family != xi.family:
+def _check_companion(
+    name: str, a: Any, xi: ArrayInfo, shape: tuple[int, ...], dtypes: set[str], what: str
+) -> ArrayInfo:
+    """The one rule for an array beside x (an input or an output): x's library and device (one
+    device rule, :func:`normlab.arrays.comparable_devices`), one of ``dtypes``, ``shape``
+    (``what`` says what that shape is)."""
+    ai = _array_info(name, a)
+    if ai.family != xi.family:
         raise DeviceError(
-            f"{name} is a {pi.type_name} but x is a {xi.type_name}; pass {name} from the same "
+            f"{name} is a {ai.type_name} but x is a {xi.type_name}; pass {name} from the same "
             f"array library as x (normlab never converts between libraries)"
         )
-    if not arrays.comparable_devices(pi.device, xi.device):
-        raise DeviceError(f"{name} is on device {pi.device} but x is on {xi.device}")
-    allowed = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
-    if pi.masked or pi.dtype not in allowed:
-        kind = "a masked array" if pi.masked else f"dtype {pi.dtype}"
+    if not arrays.comparable_devices(ai.device, xi.device):
+        raise DeviceError(f"{name} is on device {ai.device} but x is on {xi.device}")
+    allowed = " or ".join(sorted(dtypes))
+    if ai.masked:
+        raise DtypeError(f"{name} is a numpy masked array; pass a plain {allowed} array")
+    if ai.dtype not in dtypes:
         raise DtypeError(
-            f"{name} has {kind}; for x of dtype {xi.dtype} it must be "
-            f"{' or '.join(sorted(allowed))}"
+            f"{name} has dtype {ai.dtype}; it must be {allowed} (x has dtype {xi.dtype})"
         )
-    if pi.shape != norm_shape:
+    if ai.shape != shape:
         raise ShapeError(
-            f"{name} has shape {pi.shape} but the normalized shape of x {xi.shape} is {norm_shape}"
+            f"{name} has shape {ai.shape}; it must be {shape} ({what}; x has shape {xi.shape})"
         )
-    return pi.dtype
+    return ai
 
 
 def _eps_from_array(eps: Any) -> Any:
@@ -381,7 +551,7 @@ def _check_eps(eps: Any) -> float:
 
 def stats_names(op: str) -> tuple[str, ...]:
     """The statistics an op returns with ``return_stats``, in order."""
-    return ("rstd",) if op == "rms_norm" else ("mean", "rstd")
+    return OPS[op].stats_outputs
 
 
 def split_out(op: str, out: Any) -> tuple[Any, Any, Any]:
@@ -430,17 +600,8 @@ def _check_out(
 def _check_out_array(
     name: str, o: Any, xi: ArrayInfo, shape: tuple[int, ...], dtype: str
 ) -> ArrayInfo:
-    oi = _array_info(name, o)
-    if oi.family != xi.family:
-        raise DeviceError(f"{name} is a {oi.type_name} but x is a {xi.type_name}")
-    if not arrays.comparable_devices(oi.device, xi.device):
-        raise DeviceError(f"{name} is on device {oi.device} but x is on {xi.device}")
-    if oi.masked:
-        raise DtypeError(f"{name} is a numpy masked array; pass a plain {dtype} array")
-    if oi.dtype != dtype:
-        raise DtypeError(f"{name} has dtype {oi.dtype}; it must be {dtype}")
-    if oi.shape != shape:
-        raise ShapeError(f"{name} has shape {oi.shape}; it must be {shape}")
+    what = "x's shape" if shape == xi.shape else "x's shape with 1 on the normalized axes"
+    oi = _check_companion(name, o, xi, shape, {dtype}, what)
     if not oi.writeable:
         immutable = " (its array library has immutable arrays)" if oi.strides is None else ""
         raise ArgumentError(f"{name} is read-only{immutable}")
@@ -458,16 +619,6 @@ def _check_out_array(
 # Outputs sharing memory with inputs. Per call (addresses are not metadata), and only when the
 # caller passes an output: the call without ``out`` never reaches this.
 
-#: Per op: the ``(output, input)`` pairs that may be the very same array (``out is x``, or a
-#: view of exactly x's elements: an in-place call). Any other output sharing memory with an
-#: input or another output is an ArgumentError. The backward ops write fresh arrays only; they
-#: list no pair.
-IN_PLACE_PAIRS: Final[dict[str, frozenset[tuple[str, str]]]] = {
-    "layer_norm": frozenset({("y", "x")}),
-    "rms_norm": frozenset({("y", "x")}),
-    "layer_norm_backward": frozenset(),
-    "rms_norm_backward": frozenset(),
-}
 #: Bound on the work of one exact overlap test (``numpy.shares_memory(max_work=...)``).
 OVERLAP_MAX_WORK: Final = 1 << 16
 
@@ -479,8 +630,8 @@ Aliasing = Literal["separate", "in_place", "temporary"]
 
 def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> Aliasing:
     """Check that no output shares memory with an input or with another output, except the
-    pairs :data:`IN_PLACE_PAIRS` lists for ``op`` when they are the same array (the same object,
-    or views of exactly the same elements).
+    pairs the op table lists as ``in_place`` for ``op`` when they are the same array (the same
+    object, or views of exactly the same elements).
 
     ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
     arrays or None. The test is exact (element by element, never by bounds), reads only each
@@ -488,7 +639,7 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     outputs are always written after the kernel has read every input, so only ``y`` needs a
     temporary when an overlap is undecided. Raises ArgumentError naming both arrays.
     """
-    allowed = IN_PLACE_PAIRS[op]
+    allowed = OPS[op].in_place
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
     given_out = [(n, o) for n, o in outputs.items() if o is not None]
     result: Aliasing = "separate"

@@ -9,13 +9,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import normlab
 from normlab import reference
+from normlab.constants import FLOAT_DTYPES
 from normlab.registry import Backend
+from normlab.testing.conversions import numpy_dtype
 
 torch = pytest.importorskip("torch")
 
@@ -67,12 +68,12 @@ def test_layer_norm_signature() -> None:
 def test_explain_signature() -> None:
     params = list(inspect.signature(normlab.explain).parameters.values())
     assert [(p.name, p.kind) for p in params] == [
-        ("x", inspect.Parameter.POSITIONAL_OR_KEYWORD),
         ("args", inspect.Parameter.VAR_POSITIONAL),
         ("op", inspect.Parameter.KEYWORD_ONLY),
         ("kwargs", inspect.Parameter.VAR_KEYWORD),
     ]
-    assert params[2].default == "layer_norm"
+    assert params[1].default == "layer_norm"
+    assert "chosen: numpy" in normlab.explain(x=_x(2, 4))  # x by keyword, as the op takes it
 
 
 def test_list_backends_records() -> None:
@@ -108,6 +109,34 @@ def test_explain_takes_the_ops_arguments() -> None:
     assert "normalized axes (1, 2) -> 2 rows x 12 cols" in text
     assert "named backend: numpy" in text
     assert "normalized axes (0, 2) -> 3 rows x 8 cols" in normlab.explain(x, axis=(0, 2))
+
+
+def test_explain_serves_the_backward_ops() -> None:
+    x = _x(3, 8)
+    _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
+    text = normlab.explain(x, x, mean, rstd, op="layer_norm_backward", backend="numpy")
+    assert text.startswith("normlab.layer_norm_backward on numpy.ndarray")
+    assert "chosen: numpy (named with backend=)" in text
+    assert "layout: no copy of dy" in text and "layout: no copy of x" in text
+    x3 = _x(2, 3, 4)
+    dy = _x(2, 5, 4)[:, :3]  # its batch axes do not collapse into one row stride
+    _, rstd = normlab.rms_norm(x3, return_stats=True, backend="numpy")
+    text = normlab.explain(dy, x3, rstd, op="rms_norm_backward", backend="numpy")
+    assert "layout: copy of dy — dy's batch or normalized axes cannot be viewed" in text
+    assert "layout: no copy of x" in text
+
+
+def test_explain_binds_arguments_as_the_op_does() -> None:
+    x = _x(2, 4)
+    assert "named backend: numpy" in normlab.explain(
+        x, 4, None, 1e-6, op="rms_norm", backend="numpy"
+    )
+    with pytest.raises(normlab.ArgumentError, match="unexpected keyword argument 'bias'"):
+        normlab.explain(x, bias=np.zeros(4), op="rms_norm")
+    with pytest.raises(normlab.ArgumentError, match="too many positional arguments"):
+        normlab.explain(x, 4, None, None, 1e-5, 0, op="layer_norm")
+    with pytest.raises(normlab.ArgumentError, match="missing a required argument: 'rstd'"):
+        normlab.explain(x, x, op="rms_norm_backward")
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,19 +212,13 @@ def test_onnx_axis_k_is_the_axes_k_to_end(lib: Backend, k: int) -> None:
 # --------------------------------------------------------------------------------------------
 # Statistics, dtypes, parameters
 
-_NUMPY_DTYPES = {
-    "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-    "float64": np.float64,
-}
 _TOL = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-10}
 
 
-@pytest.mark.parametrize("dtype", list(_NUMPY_DTYPES))
+@pytest.mark.parametrize("dtype", list(FLOAT_DTYPES))
 @pytest.mark.parametrize("axis", [-1, (0, 2)])
 def test_return_stats(lib: Backend, dtype: str, axis: Any) -> None:
-    x = _x(2, 3, 8, dtype=_NUMPY_DTYPES[dtype])
+    x = _x(2, 3, 8, dtype=numpy_dtype(dtype))
     xl = lib.from_numpy(x)
     y, mean, rstd = normlab.layer_norm(xl, axis=axis, return_stats=True)
     stats_dtype = "float64" if dtype == "float64" else "float32"
@@ -223,9 +246,9 @@ _PARAM_DTYPES = [
 def test_parameters_in_x_dtype_or_float32_for_half(
     lib: Backend, x_dtype: str, param_dtype: str
 ) -> None:
-    x = _x(3, 8, dtype=_NUMPY_DTYPES[x_dtype])
-    w = _x(8, dtype=_NUMPY_DTYPES[param_dtype])
-    b = _x(8, dtype=_NUMPY_DTYPES[param_dtype])
+    x = _x(3, 8, dtype=numpy_dtype(x_dtype))
+    w = _x(8, dtype=numpy_dtype(param_dtype))
+    b = _x(8, dtype=numpy_dtype(param_dtype))
     y = normlab.layer_norm(lib.from_numpy(x), weight=lib.from_numpy(w), bias=lib.from_numpy(b))
     assert str(y.dtype).removeprefix("torch.") == x_dtype
     _close(y, reference.layer_norm(x, weight=w, bias=b)[0], lib, tol=_TOL[x_dtype] * 4)
@@ -239,8 +262,8 @@ def test_half_x_with_mixed_parameters(
     lib: Backend, w_dtype: str | None, b_dtype: str | None
 ) -> None:
     x = _x(3, 8, dtype=np.float16)
-    w = None if w_dtype is None else _x(8, dtype=_NUMPY_DTYPES[w_dtype])
-    b = None if b_dtype is None else _x(8, dtype=_NUMPY_DTYPES[b_dtype])
+    w = None if w_dtype is None else _x(8, dtype=numpy_dtype(w_dtype))
+    b = None if b_dtype is None else _x(8, dtype=numpy_dtype(b_dtype))
     y = normlab.layer_norm(
         lib.from_numpy(x),
         weight=None if w is None else lib.from_numpy(w),

@@ -13,21 +13,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import normlab
-from normlab import backward, dispatch, reference, registry
+from normlab import dispatch, reference, registry, spec
+from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close
 
 RNG = np.random.default_rng(7)
-NUMPY_DTYPES = {
-    "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
-    "float32": np.float32,
-    "float64": np.float64,
-}
 
 
 @dataclass(frozen=True)
@@ -65,11 +59,11 @@ def subject(request: pytest.FixtureRequest) -> Subject:
 
 
 def _x(shape: tuple[int, ...], dtype: str, offset: float = 0.0, scale: float = 1.0) -> np.ndarray:
-    return (offset + scale * RNG.standard_normal(shape)).astype(NUMPY_DTYPES[dtype])
+    return (offset + scale * RNG.standard_normal(shape)).astype(numpy_dtype(dtype))
 
 
 def _param(cols: tuple[int, ...], dtype: str) -> np.ndarray:
-    return (1.0 + 0.5 * RNG.standard_normal(cols)).astype(NUMPY_DTYPES[dtype])
+    return (1.0 + 0.5 * RNG.standard_normal(cols)).astype(numpy_dtype(dtype))
 
 
 @dataclass
@@ -561,12 +555,15 @@ def test_dispatch_follows_the_forward_rules(no_preference: None) -> None:
     """NumPy arrays: the highest-priority backend providing the op; a named backend strictly."""
     x = _x((4, 8), "float32")
     _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
-    bplan = backward.plan("layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",))
+    call = spec.validated_backward(
+        "layer_norm_backward", x, x, mean, rstd, None, None, None, ("x",)
+    )
+    plan = call.plan
     providers = [
         b for b in normlab.list_backends()
         if "layer_norm_backward" in b.ops and "numpy" in b.families and b.available
     ]  # fmt: skip
-    assert dispatch.choose(bplan.plan).backend is providers[0]
+    assert dispatch.choose(plan).backend is providers[0]
     with pytest.raises(normlab.BackendError, match="torch"):
         normlab.layer_norm_backward(x, x, mean, rstd, backend="torch")
 

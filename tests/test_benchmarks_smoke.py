@@ -402,22 +402,18 @@ def _peer_result(result: Any, dtype: str) -> Any:
 
     import numpy as np
 
+    from normlab.testing.conversions import numpy_dtype
+
     first = result[0] if isinstance(result, list) else result
     if hasattr(first, "data_ptr") and not isinstance(first, np.ndarray):  # an OrtValue
         if dtype != "bfloat16":
             return first.numpy().astype(np.float64)
         count = int(np.prod(first.shape()))
         bits = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(first.data_ptr()))
-        return bits.copy().view(report_dtype(dtype)).reshape(first.shape()).astype(np.float64)
+        return bits.copy().view(numpy_dtype(dtype)).reshape(first.shape()).astype(np.float64)
     if hasattr(first, "detach"):  # a torch tensor
         return first.detach().float().numpy().astype(np.float64)
     return np.asarray(first).astype(np.float64)
-
-
-def report_dtype(dtype: str) -> Any:
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])

@@ -207,10 +207,13 @@ def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch)
         *,
         profile: str = "ci",
         allow_unavailable: bool = False,
+        arrays: str | None = None,
         json_path: str | None = None,
         extra_pytest_args: tuple[str, ...] = (),
     ) -> int:
-        calls.append((backend_name, profile, allow_unavailable, json_path, extra_pytest_args))
+        calls.append(
+            (backend_name, profile, allow_unavailable, arrays, json_path, extra_pytest_args)
+        )
         return 7
 
     monkeypatch.setattr(normlab.testing, "check", fake_check)
@@ -218,10 +221,12 @@ def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch)
     assert cli.main(["check", "numpy", "--profile", "full", "--", "-x", "-k", "offset"]) == 7
     assert cli.main(["check", "numpy", "--allow-unavailable", "--json", "r.json"]) == 7
     assert cli.main(["check", "numpy", "--verbose"]) == 7
+    assert cli.main(["check", "numba", "--arrays", "torch"]) == 7
     assert calls == [
-        ("numpy", "full", False, None, (*short, "-x", "-k", "offset")),
-        ("numpy", "ci", True, "r.json", short),
-        ("numpy", "ci", False, None, ()),
+        ("numpy", "full", False, None, None, (*short, "-x", "-k", "offset")),
+        ("numpy", "ci", True, None, "r.json", short),
+        ("numpy", "ci", False, None, None, ()),
+        ("numba", "ci", False, "torch", None, short),
     ]
 
 

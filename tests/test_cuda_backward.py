@@ -17,7 +17,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from test_cuda_kernels import _FakeArray, _host_view
@@ -37,15 +36,10 @@ from normlab.backends.cuda_launch import (
 )
 from normlab.constants import FLOAT_DTYPES
 from normlab.errors import BackendError
+from normlab.testing.conversions import numpy_dtype
 
 ALIGNED = [0x7F0000000000, 0x7F0000100000, 0x7F0000200000, None]  # dy, x, dx, weight
 SOURCE = (cuda_compile.KERNEL_DIR / "backward.cu").read_text()
-NUMPY_DTYPES = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
-}
 FORWARD_OP = {"layer_norm_backward": "layer_norm", "rms_norm_backward": "rms_norm"}
 
 
@@ -256,7 +250,7 @@ class _FakeBackwardKernel:
         return _host_view(at, 1, n, 0, self.acc)[0]
 
     def _inputs(self, a: dict[str, int]) -> tuple[np.ndarray, ...]:
-        rows, cols, dtype = a["rows"], a["cols"], NUMPY_DTYPES[self.spec.dtype]
+        rows, cols, dtype = a["rows"], a["cols"], numpy_dtype(self.spec.dtype)
         dy = _host_view(a["DY"], rows, cols, a["dy_row_stride"], dtype).astype(self.acc)
         x = np.zeros_like(dy)
         if a["X"]:
@@ -271,7 +265,7 @@ class _FakeBackwardKernel:
         rstd = self._vector(a["Rstd"], rows)[:, None]
         w = np.ones(cols, self.acc)
         if a["W"]:
-            w = _host_view(a["W"], 1, cols, 0, NUMPY_DTYPES[self.spec.param_dtype])[0]
+            w = _host_view(a["W"], 1, cols, 0, numpy_dtype(self.spec.param_dtype))[0]
         d, g, n = x - mean[:, None], dy * w.astype(self.acc), self.acc.type(cols)
         if self.centre:
             res = (d.sum(axis=1, dtype=self.acc) / n)[:, None]
@@ -286,7 +280,7 @@ class _FakeBackwardKernel:
             self._vector(a["Res"], rows)[...] = res[:, 0]
         if a["DX"]:
             dx = rstd * (g - mean_g - (d - res) * rstd * mean_gx)
-            dtype = NUMPY_DTYPES[self.spec.dtype]
+            dtype = numpy_dtype(self.spec.dtype)
             _host_view(a["DX"], rows, cols, a["dx_row_stride"], dtype)[...] = dx.astype(dtype)
 
     def _partials(self, a: dict[str, int], grid: tuple[int, ...]) -> None:
@@ -433,11 +427,11 @@ def test_the_backward_launches_give_the_gradients(
 
     rows, cols = 70, 24  # three chunks, the last one short
     rng = np.random.default_rng(5)
-    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(NUMPY_DTYPES[dtype])
-    dy = rng.standard_normal((rows, cols)).astype(NUMPY_DTYPES[dtype])
+    x = (rng.standard_normal((rows, cols)) * 2 + 3).astype(numpy_dtype(dtype))
+    dy = rng.standard_normal((rows, cols)).astype(numpy_dtype(dtype))
     if layout == "broadcast dy":
         dy = np.broadcast_to(dy[0], (rows, cols))
-    w = None if weight is None else (1 + rng.standard_normal(cols)).astype(NUMPY_DTYPES[weight])
+    w = None if weight is None else (1 + rng.standard_normal(cols)).astype(numpy_dtype(weight))
     want, mean, rstd = _oracle(op, dy, x, w)
     x_in, dy_in = _layout(x, layout), dy if layout == "broadcast dy" else _layout(dy, layout)
     before = (x_in.copy(), dy_in.copy())
@@ -587,48 +581,48 @@ def torch_plan() -> Any:
     return torch, dataclasses.replace(plan, family="torch", requires_grad=True)
 
 
-def test_the_forward_goes_through_the_custom_ops(
+def test_a_plan_that_requires_grad_never_reaches_the_kernels(
     torch_plan: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch, plan = torch_plan
-    import normlab.torch as normlab_torch
-    from normlab.backends import cupy_backend
-
-    calls = []
-    for name in ("layer_norm_with_autograd", "rms_norm_with_autograd"):
-        monkeypatch.setattr(
-            normlab_torch, name, lambda *a, _n=name, **k: calls.append((_n, k["backend"])) or ()
-        )
-    cupy_backend.layer_norm("x", "w", "b", plan=plan, out=None)
-    cupy_backend.rms_norm("x", "w", None, plan=dataclasses.replace(plan, op="rms_norm"), out=None)
-    assert calls == [("layer_norm_with_autograd", "cupy"), ("rms_norm_with_autograd", "cupy")]
-    with pytest.raises(BackendError, match="out="):
-        cupy_backend.layer_norm("x", "w", "b", plan=plan, out="y")
-    monkeypatch.setattr(cupy_backend, "_launch", lambda *a: ("launched",))
-    with torch.no_grad():  # no graph to record: the kernel writes out
-        assert cupy_backend.layer_norm("x", "w", "b", plan=plan, out="y") == ("launched",)
-
-
-def test_the_backward_goes_through_the_custom_ops(
-    torch_plan: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    """The backend does arithmetic only: tensors that require grad are the core's to route
+    (through the custom ops); handed one, it refuses rather than detach, and never calls up."""
     _, plan = torch_plan
-    import normlab.torch as normlab_torch
     from normlab.backends import cupy_backend
 
-    calls = []
+    monkeypatch.setattr(cupy_backend, "_launch", lambda *a: pytest.fail("launched"))
+    monkeypatch.setattr(cupy_backend, "_backward", lambda *a: pytest.fail("launched"))
+    rms = dataclasses.replace(plan, op="rms_norm")
+    needs = frozenset({"x"})
+    calls = [
+        lambda: cupy_backend.layer_norm("x", "w", "b", plan=plan, out=None),
+        lambda: cupy_backend.rms_norm("x", "w", None, plan=rms, out="y"),
+        lambda: cupy_backend.layer_norm_backward("dy", "x", "m", "r", "w", plan=plan, needs=needs),
+        lambda: cupy_backend.rms_norm_backward("dy", "x", "r", "w", plan=rms, needs=needs),
+    ]
+    for call in calls:
+        with pytest.raises(BackendError, match="records no autograd graph"):
+            call()
+    assert "normlab.torch" not in inspect.getsource(cupy_backend)
 
-    def record(dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, **k: Any) -> tuple[Any, ...]:
-        calls.append((mean, k["needs"], k["backend"]))
-        return "dx", "dw", "db"
 
-    monkeypatch.setattr(normlab_torch, "backward_with_autograd", record)
-    needs = frozenset({"x", "weight", "bias"})
-    got = cupy_backend.layer_norm_backward("dy", "x", "m", "r", "w", plan=plan, needs=needs)
-    assert got == ("dx", "dw", "db")
-    got = cupy_backend.rms_norm_backward("dy", "x", "r", "w", plan=plan, needs=needs)
-    assert got == ("dx", "dw")
-    assert calls == [("m", needs, "cupy"), (None, frozenset({"x", "weight"}), "cupy")]
+def test_the_core_runs_cupy_through_the_custom_ops(torch_plan: Any) -> None:
+    """For CUDA tensors that require grad the core hands layout the cupy backend wrapped in the
+    custom ops (no CUDA device needed to see the routing): no ``out``/``inplace`` (the core
+    copies into out, recorded), each op a custom op naming backend "cupy"."""
+    _, plan = torch_plan
+    from normlab import autograd, dispatch, registry, torch_ops
+
+    cupy = registry.get("cupy")
+    choice = dispatch.Choice(cupy, "named with backend=", (), records_no_graph=True)
+    wrapped = autograd.through_graph(plan, choice)
+    assert isinstance(wrapped.backend, torch_ops.InGraph) and wrapped.backend.served is cupy
+    assert wrapped.backend.name == "cupy" and "row_strided" in wrapped.backend.capabilities
+    assert not {"out", "inplace", "autograd"} & wrapped.backend.capabilities
+    if cupy.available:
+        function = wrapped.backend.function("layer_norm_backward")
+        assert function.keywords == {"backend": "cupy"}
+    untouched = dataclasses.replace(plan, requires_grad=False)
+    assert autograd.through_graph(untouched, choice) is choice  # no grad, no trace: direct
 
 
 # --------------------------------------------------------------------------------------------

@@ -316,16 +316,18 @@ def decisions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 def test_choices_are_cached_by_metadata(decisions: list[tuple[Any, ...]]) -> None:
     normlab.layer_norm(_fake(2, 3))
     normlab.layer_norm(_fake(2, 3))
-    normlab.layer_norm(_fake(5, 7))  # another shape, same (family, device, dtype)
+    normlab.layer_norm(_fake(1, 7))  # another shape: same family, device, dtype, size bucket
     assert len(decisions) == 1
+    normlab.layer_norm(_fake(5, 7))  # 140 bytes, not 24: another size bucket (costs.bucket)
+    assert len(decisions) == 2
     normlab.layer_norm(_fake(2, 3, dtype=np.float64))
     normlab.layer_norm(_fake(2, 3), backend="low")
     with normlab.use_backend("mid"):
         normlab.layer_norm(_fake(2, 3))
-    assert len(decisions) == 4
+    assert len(decisions) == 5
     dispatch.clear_caches()
     normlab.layer_norm(_fake(2, 3))
-    assert len(decisions) == 5
+    assert len(decisions) == 6
 
 
 def test_registering_a_plugin_invalidates_cached_choices(

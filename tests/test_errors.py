@@ -4,7 +4,6 @@ and leaves the caller's arrays untouched."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,9 @@ import pytest
 import normlab
 from normlab import spec
 from normlab.registry import Backend
+from normlab.testing.bad_inputs import BAD_INPUTS, Inputs, bad_inputs_of
+from normlab.testing.cases import OPS
+from normlab.testing.subject import Subject
 
 torch = pytest.importorskip("torch")
 
@@ -40,194 +42,26 @@ def _x(*shape: int, dtype: Any = np.float32) -> np.ndarray:
     return RNG.standard_normal(shape).astype(dtype)
 
 
-# Each case: a call on arrays of one family (made by ``lib.from_numpy``), the error class, and a
-# pattern its message must match.
-X = _x(2, 3, 4)
-Call = Callable[[Callable[[np.ndarray], Any]], Any]
-BAD_CALLS: dict[str, tuple[Call, type[Exception], str]] = {
-    "normalized_shape-mismatch": (
-        lambda a: normlab.layer_norm(a(X), (5,)),
-        normlab.ShapeError,
-        r"\(5,\).*\(2, 3, 4\)",
-    ),
-    "normalized_shape-not-trailing": (
-        lambda a: normlab.layer_norm(a(X), (2, 3)),
-        normlab.ShapeError,
-        r"\(2, 3\).*\(2, 3, 4\)",
-    ),
-    "normalized_shape-too-long": (
-        lambda a: normlab.layer_norm(a(X), (1, 2, 3, 4)),
-        normlab.ShapeError,
-        r"\(1, 2, 3, 4\)",
-    ),
-    "normalized_shape-empty": (
-        lambda a: normlab.layer_norm(a(X), ()),
-        normlab.ShapeError,
-        r"normalized_shape=\(\)",
-    ),
-    "normalized_shape-float": (
-        lambda a: normlab.layer_norm(a(X), 4.0),
-        normlab.ArgumentError,
-        "normalized_shape",
-    ),
-    "normalized_shape-str": (
-        lambda a: normlab.layer_norm(a(X), "4"),
-        normlab.ArgumentError,
-        "normalized_shape",
-    ),
-    "normalized_shape-bool": (
-        lambda a: normlab.layer_norm(a(_x(3, 1)), True),
-        normlab.ArgumentError,
-        "normalized_shape",
-    ),
-    "axis-too-large": (
-        lambda a: normlab.layer_norm(a(X), axis=3),
-        normlab.ShapeError,
-        "axis 3 is out of range",
-    ),
-    "axis-too-negative": (
-        lambda a: normlab.layer_norm(a(X), axis=(0, -4)),
-        normlab.ShapeError,
-        "axis -4 is out of range",
-    ),
-    "axis-repeated": (lambda a: normlab.layer_norm(a(X), axis=(1, 1)), normlab.ShapeError, "twice"),
-    "axis-repeated-negative": (
-        lambda a: normlab.layer_norm(a(X), axis=(2, -1)),
-        normlab.ShapeError,
-        "twice",
-    ),
-    "axis-empty": (lambda a: normlab.layer_norm(a(X), axis=()), normlab.ShapeError, r"axis=\(\)"),
-    "axis-float": (lambda a: normlab.layer_norm(a(X), axis=1.0), normlab.ArgumentError, "axis"),
-    "axis-disagrees": (
-        lambda a: normlab.layer_norm(a(X), (3, 4), axis=(0, 2)),
-        normlab.ShapeError,
-        "disagree",
-    ),
-    "weight-shape": (
-        lambda a: normlab.layer_norm(a(X), weight=a(_x(3))),
-        normlab.ShapeError,
-        r"weight has shape \(3,\).*\(4,\)",
-    ),
-    "bias-shape": (
-        lambda a: normlab.layer_norm(a(X), (3, 4), bias=a(_x(4))),
-        normlab.ShapeError,
-        r"bias has shape \(4,\).*\(3, 4\)",
-    ),
-    "weight-shape-with-axis": (
-        lambda a: normlab.layer_norm(a(X), weight=a(_x(4, 2)), axis=(2, 0)),
-        normlab.ShapeError,
-        r"\(2, 4\)",
-    ),
-    "weight-wider-dtype": (
-        lambda a: normlab.layer_norm(a(X), weight=a(_x(4, dtype=np.float64))),
-        normlab.DtypeError,
-        "weight has dtype float64.*float32",
-    ),
-    "bias-narrower-dtype": (
-        lambda a: normlab.layer_norm(a(X), bias=a(_x(4, dtype=np.float16))),
-        normlab.DtypeError,
-        "bias has dtype float16",
-    ),
-    "weight-float64-for-half": (
-        lambda a: normlab.layer_norm(a(_x(3, dtype=np.float16)), weight=a(_x(3, dtype=np.float64))),
-        normlab.DtypeError,
-        "float16 or float32",
-    ),
-    "weight-int": (
-        lambda a: normlab.layer_norm(a(X), weight=a(np.ones(4, np.int32))),
-        normlab.DtypeError,
-        "int32",
-    ),
-    "weight-not-array": (
-        lambda a: normlab.layer_norm(a(X), weight=[1.0] * 4),
-        normlab.ArgumentError,
-        "weight must be an array",
-    ),
-    "x-int": (
-        lambda a: normlab.layer_norm(a(np.ones((2, 3), np.int64))),
-        normlab.DtypeError,
-        "int64",
-    ),
-    "x-bool": (lambda a: normlab.layer_norm(a(np.ones((2, 3), bool))), normlab.DtypeError, "bool"),
-    "x-complex": (
-        lambda a: normlab.layer_norm(a(np.ones((2, 3), np.complex64))),
-        normlab.DtypeError,
-        "complex64",
-    ),
-    "eps-negative": (lambda a: normlab.layer_norm(a(X), eps=-1e-5), normlab.ArgumentError, "eps"),
-    "eps-nan": (lambda a: normlab.layer_norm(a(X), eps=float("nan")), normlab.ArgumentError, "eps"),
-    "eps-inf": (lambda a: normlab.layer_norm(a(X), eps=float("inf")), normlab.ArgumentError, "eps"),
-    "eps-minus-inf": (
-        lambda a: normlab.layer_norm(a(X), eps=-np.inf),
-        normlab.ArgumentError,
-        "eps",
-    ),
-    "eps-none": (lambda a: normlab.layer_norm(a(X), eps=None), normlab.ArgumentError, "eps"),
-    "eps-bool": (lambda a: normlab.layer_norm(a(X), eps=True), normlab.ArgumentError, "eps"),
-    "return_stats-not-bool": (
-        lambda a: normlab.layer_norm(a(X), return_stats=1),
-        normlab.ArgumentError,
-        "return_stats",
-    ),
-    "backend-unknown": (
-        lambda a: normlab.layer_norm(a(X), backend="no_such_backend"),
-        normlab.BackendError,
-        "no_such_backend.*numpy.*torch",
-    ),
-    "backend-not-a-name": (
-        lambda a: normlab.layer_norm(a(X), backend=3),
-        normlab.BackendError,
-        "unknown backend",
-    ),
-    "out-shape": (
-        lambda a: normlab.layer_norm(a(X), out=a(_x(2, 3, 5))),
-        normlab.ShapeError,
-        r"out has shape",
-    ),
-    "out-dtype": (
-        lambda a: normlab.layer_norm(a(X), out=a(_x(2, 3, 4, dtype=np.float64))),
-        normlab.DtypeError,
-        "out has dtype float64; it must be float32",
-    ),
-    "out-not-array": (
-        lambda a: normlab.layer_norm(a(X), out=[0.0]),
-        normlab.ArgumentError,
-        "out must be an array",
-    ),
-    "out-tuple-without-stats": (
-        lambda a: normlab.layer_norm(a(X), out=(a(X), None, None)),
-        normlab.ArgumentError,
-        "return_stats=True",
-    ),
-    "out-tuple-of-two": (
-        lambda a: normlab.layer_norm(a(X), return_stats=True, out=(a(X), None)),
-        normlab.ArgumentError,
-        "tuple of 2",
-    ),
-    "out-mean-dtype": (
-        lambda a: normlab.layer_norm(
-            a(_x(3, 4, dtype=np.float16)),
-            return_stats=True,
-            out=(None, a(np.zeros((3, 1), np.float16)), None),
-        ),
-        normlab.DtypeError,
-        "mean.*must be float32",
-    ),
-    "out-rstd-shape": (
-        lambda a: normlab.layer_norm(
-            a(X), return_stats=True, out=(None, None, a(np.zeros((2, 3), np.float32)))
-        ),
-        normlab.ShapeError,
-        r"rstd.*\(2, 3, 1\)",
-    ),
-}
+@pytest.mark.parametrize(("op", "bad"), [(op, bad.name) for op in OPS for bad in bad_inputs_of(op)])
+def test_bad_input(lib: Backend, op: str, bad: str) -> None:
+    """The table of bad inputs (normlab.testing.bad_inputs), through automatic dispatch: each
+    raises its error with a message matching the table's pattern, and modifies no argument."""
+    inputs = Inputs(Subject.of(lib.name))
+    entry = BAD_INPUTS[bad]
+    arguments = {"x": inputs.array(), **entry.arguments(inputs)}
+    arrays = {k: v for k, v in arguments.items() if isinstance(v, (np.ndarray, torch.Tensor))}
+    before = {k: lib.to_numpy(v).tobytes() for k, v in arrays.items()}
+    with pytest.raises(entry.error, match=entry.pattern(inputs)):
+        getattr(normlab, op)(**arguments)
+    assert {k: lib.to_numpy(v).tobytes() for k, v in arrays.items()} == before
 
 
-@pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_bad_input(lib: Backend, case: str) -> None:
-    call, error, pattern = BAD_CALLS[case]
-    with pytest.raises(error, match=pattern):
-        call(lib.from_numpy)
+def test_backend_names_that_are_not_strings() -> None:
+    x = np.ones((2, 3), np.float32)
+    for name in (["numpy"], {"numpy": 1}, 3):
+        with pytest.raises(normlab.BackendError, match="unknown backend"):
+            normlab.layer_norm(x, backend=name)
+        assert "unknown backend" in normlab.explain(x, backend=name)
 
 
 @pytest.mark.parametrize(

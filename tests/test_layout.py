@@ -124,12 +124,13 @@ def test_claimed_row_view_strides_address_the_right_elements(
     case: tuple[np.ndarray, tuple[int, ...]],
 ) -> None:
     view, axes = case
-    plan = spec.plan("layer_norm", view, None, None, None, 1e-5, axes, False, None)
+    call = spec.validated("layer_norm", view, None, None, None, 1e-5, axes, False, None)
+    plan = call.plan
     rows = view.transpose(plan.batch_axes + plan.axes).reshape(plan.rows, plan.cols)
-    if view.flags.c_contiguous and plan.permutation is None:
-        assert plan.x_strides is not None
-    if plan.x_strides is not None:
-        row, col = (s * view.itemsize for s in plan.x_strides)
+    if view.flags.c_contiguous and call.permutation is None:
+        assert call.x_strides is not None
+    if call.x_strides is not None:
+        row, col = (s * view.itemsize for s in call.x_strides)
         strided = np.lib.stride_tricks.as_strided(view, rows.shape, (row, col), writeable=False)
         np.testing.assert_array_equal(strided, rows)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import normlab
-from normlab import notices
+from normlab.backends import compile_notices as notices
 
 PACKAGE_PARENT = Path(normlab.__file__).resolve().parent.parent
 NOTICE = "compiling the numba kernel"

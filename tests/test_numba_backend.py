@@ -21,7 +21,7 @@ import normlab  # noqa: E402
 from normlab import reference, spec  # noqa: E402
 from normlab.backends import half_bits, numba_backend, numba_kernels  # noqa: E402
 from normlab.errors import BackendError  # noqa: E402
-from normlab.testing.cases import numpy_dtype  # noqa: E402
+from normlab.testing.conversions import numpy_dtype  # noqa: E402
 from normlab.testing.tolerances import assert_close, conditioning, y_scale  # noqa: E402
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")

@@ -200,11 +200,11 @@ def test_non_native_byte_order_of_each_argument(backend: str, op: str, argument:
         assert call[name].dtype == value.dtype
 
 
-def test_non_native_byte_order_is_named_by_the_plan_and_explain() -> None:
+def test_non_native_byte_order_is_named_by_the_layout_and_explain() -> None:
     x = RNG.standard_normal((3, 8)).astype(np.float32)
     weight = np.ones(8, ">f4")
-    plan = normlab.spec.plan("layer_norm", x, None, weight, None, 1e-5, None, False, None)
-    assert plan.non_native == {"weight"}
+    call = normlab.spec.validated("layer_norm", x, None, weight, None, 1e-5, None, False, None)
+    assert call.non_native == {"weight"}
     assert "native copy of weight" in normlab.explain(x, weight=weight, backend="numpy")
 
 

@@ -1,10 +1,14 @@
 """Rows anywhere in the dtype's finite range: every built-in CPU backend and the reference are
 accurate for rows whose squares overflow (float64 beyond 1e154) or underflow (float32 near
-1e-25 with eps = 0), and a constant row with eps = 0 is NaN everywhere (0 / 0)."""
+1e-25 with eps = 0), and a constant row with eps = 0 is NaN everywhere (0 / 0). Below, the
+range bugs the API fuzzer found: tiny eps on constant rows, rows of huge spread (and their
+gradients), quiet overflow in the backward."""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import warnings
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -23,6 +27,27 @@ BACKENDS = [
     for name in ("numpy", "numba", "torch")
 ]
 RNG = np.random.default_rng(11)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+#: Where the torch backend keeps torch's own numerics: CUDA, on which no check of the statistics
+#: runs (it would wait for the device). Skipped without a CUDA device; strict where torch's
+#: float32 arithmetic must fail (squares past 3.4e38), not where it was never measured.
+NO_CUDA: Final = pytest.mark.skipif(not _cuda_available(), reason="no CUDA device")
+ON_CUDA: Final = pytest.param(
+    "cuda", marks=[NO_CUDA, pytest.mark.xfail(strict=True, reason="torch's numerics on CUDA")]
+)
+ON_CUDA_UNMEASURED: Final = pytest.param(
+    "cuda",
+    marks=[NO_CUDA, pytest.mark.xfail(strict=False, reason="torch's numerics, not measured")],
+)
 
 
 def _call(op: str, x: np.ndarray, backend: str, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -139,3 +164,149 @@ def test_constant_rows_of_huge_values_give_bias_and_rstd(backend: str, value: fl
     y, rstd = _call("layer_norm", x, backend, 1e-5)
     np.testing.assert_array_equal(y, 0.0)
     np.testing.assert_allclose(rstd, 1 / np.sqrt(1e-5), rtol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Found by the API fuzzer (test_fuzz_api.py)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("eps", [1e-80, 1e-40])
+def test_constant_rows_with_a_tiny_positive_eps_give_bias(backend: str, eps: float) -> None:
+    """eps > 0, so a constant row gives exactly bias, and rstd = 1/sqrt(eps) rounded to float32
+    (inf at 1e-80); in float32, eps rounds to 0 or a subnormal, and 1/sqrt(1e-80) overflows."""
+    x: Any = np.full((2, 4), 3.0, np.float32)
+    bias = np.arange(4, dtype=np.float32)
+    if backend == "torch":
+        import torch
+
+        x, bias = torch.from_numpy(x), torch.from_numpy(bias)
+    y, mean, rstd = normlab.layer_norm(x, bias=bias, eps=eps, backend=backend, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(y), np.tile(np.arange(4.0), (2, 1)))
+    np.testing.assert_array_equal(np.asarray(mean), 3.0)
+    with np.errstate(over="ignore"):  # 1e40 is inf in float32
+        np.testing.assert_array_equal(np.asarray(rstd), np.float32(1 / math.sqrt(eps)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_rows_with_a_tiny_positive_eps_give_zero_in_rms_norm(backend: str) -> None:
+    x: Any = np.zeros((2, 4), np.float32)
+    if backend == "torch":
+        import torch
+
+        x = torch.from_numpy(x)
+    y, rstd = normlab.rms_norm(x, eps=1e-80, backend=backend, return_stats=True)
+    np.testing.assert_array_equal(np.asarray(y), 0.0)
+    np.testing.assert_array_equal(np.asarray(rstd), np.inf)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA_UNMEASURED])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("eps", [1e-5, 1e-9, 1e-12, 1e-30, 1e-80])
+def test_torch_half_constant_rows_give_bias(device: str, dtype: str, eps: float) -> None:
+    """A constant row gives exactly ``bias`` when eps > 0. torch's CPU kernel for half x misses
+    it by its float32 rounding of ``mean * rstd``: -1.6e-5 at eps=1e-5 on rows of 3.1, -0.125 at
+    1e-12, -inf at 1e-30; the backend recomputes those (eps-dominated) rows."""
+    torch = pytest.importorskip("torch")
+    x = torch.full((2, 8), 3.1, dtype=getattr(torch, dtype), device=device)
+    bias = torch.arange(8.0, device=device)
+    y = normlab.layer_norm(x, weight=torch.full((8,), 2.0, device=device), bias=bias, eps=eps)
+    assert torch.equal(y.float(), bias.expand(2, 8)), y[0, 0]
+
+
+def test_numpy_backward_is_quiet_about_overflow_as_the_forward_is() -> None:
+    """The forward lets NaN and Inf propagate quietly; so does the backward (no RuntimeWarning,
+    which would be an exception under ``-W error``)."""
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    _, mean, rstd = normlab.layer_norm(x, return_stats=True, backend="numpy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        huge = np.tile(np.array([3e38, -3e38], np.float32), (2, 2))
+        normlab.layer_norm(huge, backend="numpy")
+        dx, _, _ = normlab.layer_norm_backward(
+            np.full_like(x, 3e38), x, mean, rstd, backend="numpy"
+        )
+    assert not np.isfinite(dx).all()  # the overflow happened, quietly
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spread", [1e20, 1e38, 3e38])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_float32_rows_of_huge_spread(backend: str, spread: float, op: str) -> None:
+    """Rows of +-spread normalize to +-1 (the float64 reference), whatever the other rows; in
+    float32 the squares (or the differences, or their sums) overflow."""
+    x: Any = np.tile(np.array([spread, -spread], np.float32), (3, 2))
+    x[1] = np.arange(4, dtype=np.float32)  # an ordinary row between two huge ones
+    if backend == "torch":
+        import torch
+
+        x = torch.from_numpy(x)
+    y, *stats = getattr(normlab, op)(x, backend=backend, return_stats=True)
+    want, *want_stats = getattr(reference, op)(x)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5)
+    for got, expected in zip(stats, want_stats, strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5)
+
+
+def test_torch_rms_norm_without_the_private_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU row check reads rstd from ``torch._fused_rms_norm`` (private, present in the
+    pinned torch); a torch without it gets ``F.rms_norm``'s results, unchecked."""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))
+    monkeypatch.delattr(torch, "_fused_rms_norm")
+    y, rstd = normlab.rms_norm(x, backend="torch", return_stats=True)
+    want, want_rstd = reference.rms_norm(x)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5)
+    np.testing.assert_allclose(rstd.numpy(), want_rstd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_float64_rows_of_huge_spread(backend: str, op: str) -> None:
+    """float64 squares overflow past 1.3e154: such rows are recomputed scaled by a power of two."""
+    x: Any = np.array([[1e300, -1e300, 1e300, -1e300], [1.0, 2.0, 3.0, 4.0]])
+    if backend == "torch":
+        import torch
+
+        x = torch.from_numpy(x)
+    y, *stats = getattr(normlab, op)(x, backend=backend, return_stats=True)
+    np.testing.assert_allclose(np.asarray(y)[0], [1.0, -1.0, 1.0, -1.0], rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(stats[-1])[0], 1e-300, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(y)[1], getattr(reference, op)(x[1:])[0][0], rtol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["c", "fortran"])
+def test_numpy_in_place_rows_of_huge_spread(layout: str) -> None:
+    """In place (out=x), a row recomputed after the pass still reads x, not the result."""
+    x = np.tile(np.array([3e38, -3e38], np.float32), (3, 2))
+    x[1] = [1.0, 2.0, 3.0, 5.0]
+    x = np.asfortranarray(x) if layout == "fortran" else x
+    want = reference.layer_norm(x)[0]
+    y = normlab.layer_norm(x, backend="numpy", out=x)
+    assert y is x
+    np.testing.assert_allclose(x, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_torch_rows_recomputed_keep_their_gradients(device: str, op: str) -> None:
+    """Rows that the torch backend recomputes (here spread over 1e20, beside ordinary rows) get
+    the gradients of the float64 formula, for x, weight and bias; the other rows keep torch's."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(1)
+    x64 = rng.standard_normal((4, 6))
+    x64[1] = np.tile([1e20, -1e20, 3e19], 2)
+    dy = torch.from_numpy(rng.standard_normal((4, 6)))
+    leaves = [torch.from_numpy(a).to(device) for a in (x64, rng.random(6), rng.random(6))]
+    wide = [t.clone().requires_grad_() for t in leaves]
+    narrow = [t.float().requires_grad_() for t in leaves]
+    names = ("x", "weight", "bias") if op == "layer_norm" else ("x", "weight")
+    y = getattr(normlab, op)(**dict(zip(names, narrow, strict=False)), eps=1e-5)
+    (y.double() * dy.to(device)).sum().backward()
+    # the float64 reference: torch's own, in whose float64 squares 1e20 does not overflow
+    want = getattr(torch.nn.functional, op)(wide[0], (6,), *wide[1 : len(names)], eps=1e-5)
+    (want * dy.to(device)).sum().backward()
+    np.testing.assert_allclose(y.detach().double().cpu(), want.detach().cpu(), atol=1e-5)
+    for got, ref in zip(narrow[: len(names)], wide[: len(names)], strict=True):
+        assert got.grad is not None and ref.grad is not None
+        np.testing.assert_allclose(got.grad.double().cpu(), ref.grad.cpu(), rtol=1e-4, atol=1e-5)

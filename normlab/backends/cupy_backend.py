@@ -3,13 +3,14 @@
 
 Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
 read and written in place through their raw pointers on torch's current stream, and the result
-is a tensor. The kernels record no autograd graph: tensors that require grad go through
-normlab's torch custom ops (:mod:`normlab.torch`), which call back here with tensors that do
-not, so that the gradients come from this backend's backward kernels. The kernel for a row
-length is chosen by :mod:`~normlab.backends.cuda_launch`, compiled for the device's architecture
-by :mod:`~normlab.backends.cuda_compile` on first use (cubins are cached on disk) and kept per
-(device, specialisation). Nothing here imports CuPy
-before it is called, and :func:`device_problem` never raises.
+is a tensor. The kernels record no autograd graph (the record claims no ``autograd``): for
+tensors that require grad the core runs this backend through normlab's torch custom ops
+(:mod:`normlab.autograd`), which call it with tensors that do not, so that the gradients come
+from this backend's backward kernels; a plan that requires grad reaching it is refused. The
+kernel for a row length is chosen by :mod:`~normlab.backends.cuda_launch`, compiled for the
+device's architecture by :mod:`~normlab.backends.cuda_compile` on first use (cubins are cached
+on disk) and kept per (device, specialisation). Nothing here imports CuPy before it is called,
+and :func:`device_problem` never raises.
 """
 
 from __future__ import annotations
@@ -163,42 +164,28 @@ def layer_norm(
 ) -> tuple[Any, Any | None, Any | None]:
     """Normalize each row of the 2-D ``x`` (unit column stride, any row stride; a CuPy array or,
     named explicitly, a CUDA torch tensor); see :mod:`normlab.hookspecs`. ``out`` may be ``x``.
-    Weight and bias of different dtypes are both read as float32. Tensors that require grad
-    (``out`` None) go through ``normlab::layer_norm``, recorded by autograd."""
-    if _through_autograd(plan, out):
-        from normlab.torch import layer_norm_with_autograd
-
-        return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="cupy")
+    Weight and bias of different dtypes are both read as float32."""
+    _refuse_grad(plan)
     return _launch(x, weight, bias, plan, out)
 
 
 def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
     """RMS-normalize each row of the 2-D ``x``, ``y = x / sqrt(mean(x^2) + eps) * weight``; the
     arrays as for :func:`layer_norm` (``bias`` is always None)."""
-    if _through_autograd(plan, out):
-        from normlab.torch import rms_norm_with_autograd
-
-        return rms_norm_with_autograd(x, weight, None, plan=plan, backend="cupy")
+    _refuse_grad(plan)
     y, _, rstd = _launch(x, weight, None, plan, out)
     return y, None, rstd
 
 
-def _through_autograd(plan: Plan, out: Any) -> bool:
-    """Whether a forward call goes through normlab's custom ops: tensors that require grad and
-    no ``out``. With ``out`` (spec refuses it when x requires grad) and a weight or bias that
-    requires grad, the call is refused while grad mode is on: the result would be detached."""
-    if plan.family != "torch" or not plan.requires_grad:
-        return False
-    if out is None:
-        return True
-    import torch
-
-    if torch.is_grad_enabled():
+def _refuse_grad(plan: Plan) -> None:
+    """A plan whose tensors require grad never reaches the kernels: their raw pointers would
+    detach the result silently (the core runs such calls through normlab's custom ops)."""
+    if plan.requires_grad:
         raise BackendError(
-            "the cupy backend cannot write into out= and record autograd, and weight or bias "
-            "requires grad; leave out= unset, or call under torch.no_grad()"
+            "the cupy backend records no autograd graph and a tensor of this call requires "
+            "grad; call normlab.layer_norm / normlab.rms_norm (which keep the graph through "
+            "normlab's custom ops), or pass detached tensors"
         )
-    return False
 
 
 def _launch(
@@ -258,11 +245,8 @@ def layer_norm_backward(
 ) -> tuple[Any, Any, Any]:
     """LayerNorm's ``(dx, dweight, dbias)`` of the 2-D ``dy`` and ``x`` (unit column stride,
     any row stride); see :mod:`normlab.backward`. dweight and dbias are deterministic: the same
-    bits on every run and every GPU. Tensors that require grad go through the custom op."""
-    if plan.family == "torch" and plan.requires_grad:
-        from normlab.torch import backward_with_autograd
-
-        return backward_with_autograd(dy, x, mean, rstd, weight, needs=needs, backend="cupy")
+    bits on every run and every GPU."""
+    _refuse_grad(plan)
     return _backward(dy, x, mean, rstd, weight, plan, needs)
 
 
@@ -270,15 +254,8 @@ def rms_norm_backward(
     dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
 ) -> tuple[Any, Any]:
     """RMSNorm's ``(dx, dweight)``, as :func:`layer_norm_backward`."""
-    needs = needs - {"bias"}
-    if plan.family == "torch" and plan.requires_grad:
-        from normlab.torch import backward_with_autograd
-
-        dx, dweight, _ = backward_with_autograd(
-            dy, x, None, rstd, weight, needs=needs, backend="cupy"
-        )
-    else:
-        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs)
+    _refuse_grad(plan)
+    dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
     return dx, dweight
 
 

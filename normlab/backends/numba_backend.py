@@ -19,9 +19,10 @@ calling thread. The results are the same bits either way.
 
 Torch CPU tensors (served only when the caller names ``backend="numba"``) are read and written
 through ``Tensor.numpy()`` views of the same memory; the results are tensors. The kernels record
-no autograd graph: a call whose plan requires grad (x, weight or bias) goes through normlab's
-torch custom ops (:mod:`normlab.torch`), which call back here with tensors that do not; such a
-call with ``out=`` is refused (:class:`BackendError`).
+no autograd graph (the record claims no ``autograd``): for tensors that require grad the core
+runs this backend through normlab's torch custom ops (:mod:`normlab.autograd`), which call it
+with tensors that do not; a tensor that requires grad reaching it is refused
+(:class:`BackendError`), never detached.
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from normlab import notices
-from normlab.backends import half_bits, numba_backward, numba_cache, numba_kernels
+from normlab.backends import compile_notices, half_bits, numba_backward, numba_cache, numba_kernels
 from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
 from normlab.backends.numba_kernels import (
     LONG_ROW_BYTES,
@@ -117,7 +117,7 @@ class Pool:
         self._forked = self._forked or self._started
 
 
-notices.watch_numba_compiles()  # a slow first call says that it is compiling
+compile_notices.watch_numba_compiles()  # a slow first call says that it is compiling
 
 #: The one pool of this process (numba has one set of worker threads per process).
 POOL: Final = Pool()
@@ -251,12 +251,6 @@ def _normalize(
     long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
     stand_in = SEGMENT if long else plan.cols  # the length of an absent weight or bias
     torch_family = plan.family == "torch"
-    if torch_family and plan.requires_grad and out is None:  # inside autograd: custom ops
-        from normlab.torch import layer_norm_with_autograd, rms_norm_with_autograd
-
-        if centre:
-            return layer_norm_with_autograd(x, weight, bias, plan=plan, backend="numba")
-        return rms_norm_with_autograd(x, weight, None, plan=plan, backend="numba")
     if torch_family:
         _refuse_grad(x, weight, bias, out)
         x_np = _tensor_as_numpy(x)

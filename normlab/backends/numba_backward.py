@@ -25,8 +25,9 @@ forward's pool (:class:`normlab.backends.numba_backend.Pool`: one parallel calle
 none in a forked child).
 
 CPU torch tensors (when the caller names ``backend="numba"``) are read through ``Tensor.numpy()``
-views, as in :mod:`normlab.backends.numba_backend`; tensors that require grad go through the
-custom op ``normlab::layer_norm_backward`` (:mod:`normlab.torch`), which keeps them in the graph.
+views, as in :mod:`normlab.backends.numba_backend`; for tensors that require grad the core runs
+these functions through the custom op ``normlab::layer_norm_backward`` (:mod:`normlab.autograd`),
+which keeps them in the graph; a tensor that requires grad reaching them is refused.
 """
 
 from __future__ import annotations
@@ -373,16 +374,12 @@ def _backward(
 def _tensors(
     dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
 ) -> tuple[Any, Any, Any]:
-    """CPU tensors: zero-copy NumPy views in, tensors out. Tensors that require grad go
-    through the custom op, so that the gradients stay in the graph."""
-    if plan.requires_grad:
-        from normlab.torch import backward_with_autograd
-
-        return backward_with_autograd(dy, x, mean, rstd, weight, needs=needs, backend="numba")
+    """CPU tensors: zero-copy NumPy views in, tensors out (none may require grad)."""
     import torch
 
     from normlab.backends import numba_backend as nb
 
+    nb._refuse_grad(dy, x, mean, rstd, weight)
     compute = np.float64 if plan.compute_dtype == "float64" else np.float32
     dx, dweight, dbias = _backward(
         nb._tensor_as_numpy(dy),

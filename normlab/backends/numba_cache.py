@@ -13,8 +13,8 @@ directory, which may be read-only or shared.
 - readable only (a cache built into a read-only image): load; a signature not in it is compiled
   in the process and not saved;
 - neither (no home directory, a read-only file system): every kernel is compiled in the process,
-  and the ``normlab.compile`` logger (:mod:`normlab.notices`: stderr by default,
-  ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
+  and the ``normlab.compile`` logger (:mod:`normlab.backends.compile_notices`: stderr by
+  default, ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from numba.core import caching, config
 from numba.core.dispatcher import Dispatcher
 
 from normlab.backends.cache_dirs import access, cache_root, make_private_dirs
-from normlab.notices import compile_logger
+from normlab.backends.compile_notices import compile_logger
 
 __all__ = ["KernelCacheLocator", "adopt", "kernel_cache_root"]
 

@@ -15,7 +15,9 @@ calls), ``test_errors`` (every bad input raises its NormlabError subclass), ``te
 ``"layer_norm_backward"`` / ``"rms_norm_backward"``, skipped with the reason otherwise: finite
 differences, the float64 oracle and torch.autograd, large offsets, bitwise repeatability
 across runs and thread counts, ``needs``, bad inputs). Cases live in :mod:`.cases` (backward
-ones in :mod:`.backward_cases`), hypothesis strategies and profiles in :mod:`.strategies`,
+ones in :mod:`.backward_cases`), dtypes, layouts and conversions of arrays in
+:mod:`.conversions`, bad inputs and their messages in :mod:`.bad_inputs`, hypothesis
+strategies and profiles in :mod:`.strategies`,
 tolerances in :mod:`.tolerances`, the backward's float64 oracles in
 :mod:`.backward_reference`, and what a backend claims in :mod:`.subject`.
 """
@@ -37,6 +39,7 @@ def check(
     *,
     profile: str = "ci",
     allow_unavailable: bool = False,
+    arrays: str | None = None,
     json_path: str | Path | None = None,
     extra_pytest_args: Sequence[str] = (),
     plugins: Sequence[object] = (),
@@ -46,7 +49,9 @@ def check(
     ``profile``: ``"ci"`` (fast, the same cases every run) or ``"full"`` (many more).
     ``allow_unavailable``: a backend unavailable here has its tests skipped with the reason
     (exit 0) instead of stopping the run; a backend that cannot load stops it either way
-    (:func:`normlab.testing.preflight.obstacle`, exit 4). ``json_path``: write every test's
+    (:func:`normlab.testing.preflight.obstacle`, exit 4). ``arrays``: drive the backend with
+    arrays of this family, one its record serves explicitly (``check("cupy", arrays="torch")``:
+    CUDA torch tensors), instead of its own. ``json_path``: write every test's
     result there as JSON (:mod:`normlab.testing.report`).
     ``extra_pytest_args`` go to pytest as they are (``-k``, ``-x``, ``--normlab-xfail ID``…);
     ``plugins`` are extra pytest plugin objects (say, one that records reports). 0 means every
@@ -71,6 +76,7 @@ def check(
         "-p",
         "no:cacheprovider",
         *(["--normlab-allow-unavailable"] if allow_unavailable else []),
+        *([f"--normlab-arrays={arrays}"] if arrays is not None else []),
         *([f"--normlab-json={json_path}"] if json_path is not None else []),
         *extra_pytest_args,
     ]

@@ -22,7 +22,8 @@ from normlab import registry
 from normlab.backward import GRADIENTS
 from normlab.spec import stats_dtype_for
 from normlab.testing import backward_reference
-from normlab.testing.cases import Case, arrange, numpy_dtype, same_kind
+from normlab.testing.cases import Case, same_kind
+from normlab.testing.conversions import arrange, conversion, numpy_dtype
 from normlab.testing.tolerances import assert_close
 
 __all__ = ["BACKWARD_OPS", "BackwardCase"]
@@ -80,7 +81,7 @@ class BackwardCase:
         Raises :class:`~normlab.testing.cases.LayoutUnavailable` when the family cannot make
         the layout.
         """
-        b = registry.get(backend)
+        b = conversion(backend)
         x, dy, weight = self.numpy_inputs()
         mean, rstd = self.statistics()
         stats = (b.from_numpy(rstd),) if mean is None else (b.from_numpy(mean), b.from_numpy(rstd))
@@ -114,7 +115,7 @@ class BackwardCase:
         dbias have the normalized shape and weight's dtype (x's without weight); a gradient
         is None exactly when it is not needed; no input is modified.
         """
-        b = registry.get(backend)
+        b = conversion(backend)
         repro = self.snippet(backend)
         args, kwargs = self.inputs(backend)
         before = [None if a is None else b.to_numpy(a).tobytes() for a in args]

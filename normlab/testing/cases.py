@@ -3,8 +3,10 @@
 A case names the op (``layer_norm`` or ``rms_norm``), the shape, dtype, kind of values and seed
 of ``x``, the normalized axes, the affine parameters, ``eps`` and the memory layout.
 :meth:`Case.inputs` builds the arrays of any backend's family through the record's
-``from_numpy``; :meth:`Case.expected` is the float64 reference; :meth:`Case.check` runs the
-backend and compares, and its failure message is a runnable snippet (:meth:`Case.snippet`).
+``from_numpy`` (or the family the backend is driven with, see
+:func:`normlab.testing.conversions.drive`); :meth:`Case.expected` is the float64 reference;
+:meth:`Case.check` runs the backend and compares, and its failure message is a runnable snippet
+(:meth:`Case.snippet`).
 
 The named cases of the design (section 6) are values kinds here (``"offset"``,
 ``"far_offset"``, ``"constant"``, ``"zeros"``, ``"near_max"``, ``"worked"``, ``"nan_inf"``) plus
@@ -22,6 +24,15 @@ import numpy as np
 import normlab
 from normlab import reference, registry
 from normlab.spec import stats_names
+from normlab.testing.conversions import (
+    LAYOUTS,
+    LayoutUnavailable,
+    arrange,
+    conversion,
+    driven_family,
+    finfo,
+    numpy_dtype,
+)
 from normlab.testing.tolerances import assert_close, conditioning, y_scale
 
 __all__ = [
@@ -61,50 +72,17 @@ VALUES: Final = (
     "dtype_max",  # both signs, magnitudes a quarter to a half of the dtype's max: sums overflow
 )
 
-#: Memory layouts of x (same values, different strides).
-LAYOUTS: Final = (
-    "c",  # C-contiguous
-    "fortran",  # Fortran order (all axes reversed in memory)
-    "transposed",  # the last two axes swapped in memory
-    "sliced",  # every axis sliced with step 2 out of a larger array (NaN in between)
-    "padded",  # the last axis sliced out of a wider array (NaN padding)
-    "reversed",  # every axis reversed (negative strides)
-    "broadcast",  # axis 0 broadcast from size 1 (zero stride)
-)
-
 #: Poisoned rows of the ``"nan_inf"`` values: row -> the value put in it.
 POISONED: Final = {1: float("nan"), 2: float("inf"), 3: float("-inf")}
-
-
-class LayoutUnavailable(Exception):
-    """The backend's array family cannot make this layout (say, no negative strides)."""
-
-
-def numpy_dtype(name: str) -> np.dtype[Any]:
-    """The NumPy dtype called ``name`` (bfloat16 from ml_dtypes)."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bfloat16
-    return np.dtype(name)
-
-
-def _finfo(dtype: str) -> Any:
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.finfo(ml_dtypes.bfloat16)  # type: ignore[no-untyped-call]
-    return np.finfo(np.dtype(dtype))
 
 
 def _values(kind: str, rows: int, cols: int, rng: np.random.Generator, dtype: str) -> np.ndarray:
     """``(rows, cols)`` float64 values of ``kind`` (see :data:`VALUES`) for x of ``dtype``."""
     shape = (rows, cols)
     if kind == "subnormal":
-        return float(_finfo(dtype).tiny) / 2 * rng.standard_normal(shape)
+        return float(finfo(dtype).tiny) / 2 * rng.standard_normal(shape)
     if kind == "dtype_max":
-        peak = float(_finfo(dtype).max)
+        peak = float(finfo(dtype).max)
         return rng.choice([-1.0, 1.0], shape) * rng.uniform(peak / 4, peak / 2, shape)
     if kind == "normal":
         return rng.standard_normal(shape)
@@ -227,7 +205,7 @@ class Case:
 
         Raises :class:`LayoutUnavailable` when the family cannot make the layout.
         """
-        b = registry.get(backend)
+        b = conversion(backend)
         x, weight, bias = self.numpy_inputs()
         kwargs: dict[str, Any] = {"eps": self.eps}
         if self.normalized_shape is not None:
@@ -265,7 +243,7 @@ class Case:
     def run(self, backend: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Call the op on ``backend``; results as NumPy ``(y, mean, rstd)`` (``mean`` None for
         rms_norm; both statistics None without return_stats)."""
-        b = registry.get(backend)
+        b = conversion(backend)
         x, kwargs = self.inputs(backend)
         result = self.call(x, **kwargs, backend=backend, return_stats=self.return_stats)
         y, mean, rstd = self.unpack(result)
@@ -364,10 +342,18 @@ class Case:
 
     def snippet(self, backend: str) -> str:
         """Code that reproduces this case on ``backend`` (shown when a check fails)."""
+        family = driven_family(backend)
+        driven = (
+            ""
+            if family is None
+            else "    from normlab.testing.conversions import drive\n"
+            f"    drive({backend!r}, {family!r})  # {family} arrays, as tested\n"
+        )
         return (
             "Reproduce with:\n"
             "    import normlab\n"
             "    from normlab.testing.cases import Case\n"
+            f"{driven}"
             f"    case = {self!r}\n"
             f"    x, kwargs = case.inputs({backend!r})  # the backend's arrays, as tested\n"
             f"    result = normlab.{self.op}(x, **kwargs, backend={backend!r}, "
@@ -409,47 +395,3 @@ def _device(a: Any) -> str:
         return str(array_api_compat.device(a))
     except Exception:  # a library array_api_compat does not know
         return str(getattr(a, "device", "cpu"))
-
-
-# --------------------------------------------------------------------------------------------
-# Layouts
-
-
-def arrange(x: np.ndarray, layout: str, backend: registry.Backend) -> Any:
-    """``x`` as an array of ``backend``'s family with ``layout``'s strides and x's values."""
-    ndim = x.ndim
-    if layout == "c":
-        return backend.from_numpy(x)
-    if layout in ("fortran", "transposed"):
-        order = tuple(range(ndim))[::-1]
-        if layout == "transposed":
-            order = (*range(ndim - 2), ndim - 1, ndim - 2) if ndim >= 2 else (0,)
-        stored = backend.from_numpy(np.ascontiguousarray(x.transpose(order)))
-        return _namespace(stored).permute_dims(stored, order)
-    if layout in ("sliced", "padded"):
-        if layout == "sliced":
-            view: tuple[slice, ...] = (slice(None, None, 2),) * ndim
-            big = tuple(2 * n for n in x.shape)
-        else:
-            view = (*(slice(None),) * (ndim - 1), slice(0, x.shape[-1]))
-            big = (*x.shape[:-1], x.shape[-1] + 3)
-        memory = np.full(big, np.nan, dtype=x.dtype)
-        memory[view] = x
-        return backend.from_numpy(memory)[view]
-    if layout == "reversed":
-        flip = (slice(None, None, -1),) * ndim
-        stored = backend.from_numpy(np.ascontiguousarray(x[flip]))
-        try:
-            return stored[flip]
-        except Exception as exc:  # torch: "step must be greater than zero"
-            raise LayoutUnavailable(f"{type(exc).__name__}: {exc}") from exc
-    if layout == "broadcast":
-        stored = backend.from_numpy(np.ascontiguousarray(x[:1]))
-        return _namespace(stored).broadcast_to(stored, x.shape)
-    raise ValueError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-
-
-def _namespace(a: Any) -> Any:
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a)

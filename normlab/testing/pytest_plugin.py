@@ -14,6 +14,9 @@ Options:
     --normlab-allow-unavailable
                             a backend unavailable here (no device, library not installed) has
                             its tests skipped with the reason; without it the run stops.
+    --normlab-arrays FAMILY drive the backends with arrays of FAMILY, one their records serve
+                            explicitly, on their device (``cupy`` with ``torch``: CUDA
+                            tensors); by default, their records' own ``from_numpy``.
 
 Before any test runs, each backend named must load: its module found and imported, every
 function its record declares defined (:mod:`.preflight`); otherwise the run stops with one line
@@ -40,6 +43,7 @@ __all__ = [
     "pytest_collection_modifyitems",
     "pytest_configure",
     "pytest_generate_tests",
+    "pytest_unconfigure",
 ]
 
 
@@ -71,6 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="skip the tests of a backend unavailable here (no device…) instead of failing",
     )
     group.addoption(
+        "--normlab-arrays",
+        default=None,
+        metavar="FAMILY",
+        help="drive the backends with FAMILY arrays they serve explicitly (cupy: torch)",
+    )
+    group.addoption(
         "--normlab-json",
         default=None,
         metavar="FILE",
@@ -88,6 +98,15 @@ def pytest_configure(config: pytest.Config) -> None:
     problems = [p for p in (obstacle(name, allow_unavailable=allow) for name in names) if p]
     if problems:
         raise pytest.UsageError("normlab check: " + "; ".join(problems))
+    family = config.getoption("normlab_arrays")
+    if family is not None:
+        from normlab.testing.conversions import drive
+
+        for name in names:
+            try:
+                drive(name, family)
+            except ValueError as exc:
+                raise pytest.UsageError(f"normlab check: {exc}") from None
     json_path = config.getoption("normlab_json")
     if json_path is not None and len(names) != 1:
         raise pytest.UsageError("normlab check: --normlab-json takes a run of one backend")
@@ -95,7 +114,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
     profile = config.getoption("normlab_profile")
     for name in names:
-        config.pluginmanager.register(Report(name, profile, json_path), f"normlab-report-{name}")
+        report = Report(name, profile, json_path, family)
+        config.pluginmanager.register(report, f"normlab-report-{name}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Backends driven with ``--normlab-arrays`` get their own arrays again (a later run in
+    this process starts afresh)."""
+    if config.getoption("normlab_arrays", None) is None:
+        return
+    from normlab.testing.conversions import drive
+
+    for name in backend_names(config):
+        drive(name, None)
 
 
 def backend_names(config: pytest.Config) -> list[str]:

@@ -49,9 +49,13 @@ class Report:
     writes the failures by area (and the all-skipped areas) and, given ``json_path``, the
     JSON file."""
 
-    def __init__(self, backend: str, profile: str, json_path: str | None) -> None:
+    def __init__(
+        self, backend: str, profile: str, json_path: str | None, arrays: str | None = None
+    ) -> None:
         self.backend = backend
         self.profile = profile
+        #: the family the backend is driven with (``--normlab-arrays``), None for its own
+        self.arrays = arrays
         self.json_path = json_path
         self.results: dict[str, Result] = {}
         self._failures: dict[str, BaseException] = {}
@@ -100,7 +104,8 @@ class Report:
 
     def _rerun(self, nodeid: str) -> str:
         test = nodeid.rsplit("::", 1)[-1].split("[")[0]
-        return f"Reproduce with:\n    normlab check {self.backend} -- -k {test}"
+        arrays = "" if self.arrays is None else f" --arrays {self.arrays}"
+        return f"Reproduce with:\n    normlab check {self.backend}{arrays} -- -k {test}"
 
     def in_area_order(self) -> list[Result]:
         """The results, area by area in :data:`AREAS` order (see :func:`.areas.rank_of`)."""

@@ -14,7 +14,14 @@ import pytest
 
 from normlab import arrays, registry
 from normlab.constants import FLOAT_DTYPES
-from normlab.testing.cases import LAYOUTS, LayoutUnavailable, arrange, numpy_dtype
+from normlab.testing.conversions import (
+    LAYOUTS,
+    Conversion,
+    LayoutUnavailable,
+    arrange,
+    conversion,
+    numpy_dtype,
+)
 
 __all__ = ["Subject"]
 
@@ -41,6 +48,7 @@ class Subject:
     def of(cls, name: str) -> Subject:
         """The subject for backend ``name``; skips (with the reason) when it cannot run here."""
         backend = registry.get(name)
+        convert = conversion(name)
         if not backend.available:
             pytest.skip(f"backend {name!r} is unavailable here: {backend.reason}")
         if "layer_norm" not in backend.ops:
@@ -48,7 +56,7 @@ class Subject:
         unmakeable: dict[str, str] = {}
         for dtype in (d for d in FLOAT_DTYPES if d in backend.dtypes):
             try:
-                backend.from_numpy(np.zeros(2, numpy_dtype(dtype)))
+                convert.from_numpy(np.zeros(2, numpy_dtype(dtype)))
             except Exception as exc:
                 unmakeable[dtype] = f"{type(exc).__name__}: {exc}"
         dtypes = tuple(d for d in FLOAT_DTYPES if d in backend.dtypes and d not in unmakeable)
@@ -57,12 +65,12 @@ class Subject:
         probe = np.arange(6.0).reshape(2, 3).astype(numpy_dtype(dtypes[-1]))
         return cls(
             name=name,
-            family=arrays.family_of(backend.from_numpy(probe)),
+            family=arrays.family_of(convert.from_numpy(probe)),
             dtypes=dtypes,
             unmakeable=unmakeable,
             capabilities=frozenset(backend.capabilities),
             ops=frozenset(backend.ops),
-            layouts={layout: _layout_problem(probe, layout, backend) for layout in LAYOUTS},
+            layouts={layout: _layout_problem(probe, layout, convert) for layout in LAYOUTS},
             flushes_subnormals=backend.flushes_subnormals,
         )
 
@@ -121,15 +129,16 @@ class Subject:
             pytest.skip(f"{self.family} arrays cannot have the {layout!r} layout: {problem}")
 
     def from_numpy(self, a: np.ndarray) -> Any:
-        return registry.get(self.name).from_numpy(a)
+        """``a`` as an array of the family the backend is tested with."""
+        return conversion(self.name).from_numpy(a)
 
     def to_numpy(self, a: Any) -> np.ndarray:
-        return np.asarray(registry.get(self.name).to_numpy(a))
+        return np.asarray(conversion(self.name).to_numpy(a))
 
 
-def _layout_problem(probe: np.ndarray, layout: str, backend: registry.Backend) -> str | None:
+def _layout_problem(probe: np.ndarray, layout: str, convert: Conversion) -> str | None:
     try:
-        x = arrange(probe, layout, backend)
+        x = arrange(probe, layout, convert)
     except LayoutUnavailable as exc:
         return str(exc)
     if layout != "c" and arrays.info(x).strides is None:

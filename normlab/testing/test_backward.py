@@ -34,7 +34,8 @@ from normlab.backward import GRADIENTS
 from normlab.spec import FLOAT_DTYPES, HALF_DTYPES, stats_dtype_for
 from normlab.testing import strategies
 from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
-from normlab.testing.cases import OPS, Case, numpy_dtype
+from normlab.testing.cases import OPS, Case
+from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
 
 #: Central differences: the step is this times (1 + |value|); a gradient may differ from the
@@ -143,6 +144,43 @@ def test_backward_matches_reference(
         case.check(name, against_autograd=True)
 
     matches()
+
+
+@pytest.mark.parametrize("cols", [17, 1000, 4097])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_autograd_gradients(normlab_subject: Subject, op: str, dtype: str, cols: int) -> None:
+    """Tensors that require grad, where the record claims ``"autograd"``: ``y.backward(dy)``
+    after ``op(x, weight, bias, backend=NAME)`` gives the float64 oracle's dx, dweight, dbias
+    (CUDA tensors through a CUDA backend with ``--normlab-arrays torch``)."""
+    s = normlab_subject
+    s.require_op(op)
+    s.require_dtype(dtype)
+    s.require_capability("autograd", "tensors that require grad are not served")
+    if s.family != "torch":
+        pytest.skip(f"autograd records torch tensors; backend {s.name!r} is tested with {s.family}")
+    param = _param(dtype)
+    forward = Case(
+        (33, cols),
+        dtype,
+        "rowwise",
+        seed=cols,
+        weight=param,
+        bias=param if op == "layer_norm" else None,
+        op=op,
+    )
+    case = BackwardCase(forward)
+    x, kwargs = forward.inputs(s.name)
+    leaves = {"x": x.requires_grad_(), "weight": kwargs["weight"].requires_grad_()}
+    if "bias" in kwargs:
+        leaves["bias"] = kwargs["bias"].requires_grad_()
+    y = forward.call(x, **kwargs, backend=s.name)
+    y.backward(s.from_numpy(case.numpy_inputs()[1]))
+    grads: dict[str, np.ndarray | None] = {}
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None, f"d{name} is missing\n{case.snippet(s.name)}"
+        grads[name] = s.to_numpy(leaf.grad)
+    case.compare(grads, backend=s.name)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

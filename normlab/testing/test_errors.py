@@ -3,172 +3,30 @@ op the backend provides."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import pytest
 
 import normlab
-from normlab import ArgumentError, BackendError, DeviceError, DtypeError, ShapeError
-from normlab.spec import FLOAT_DTYPES, HALF_DTYPES
-from normlab.testing.cases import OPS, arrange, numpy_dtype
+from normlab import ArgumentError, BackendError, DtypeError
+from normlab.constants import FLOAT_DTYPES
+from normlab.testing.bad_inputs import BAD_INPUTS, Inputs, bad_inputs_of
+from normlab.testing.cases import OPS
+from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.subject import Subject
-
-
-class ForeignArray:
-    """An array of a library no backend serves (its family is ``"normlab"``)."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.shape = a.shape
-        self.dtype = a.dtype
 
 
 def _array(s: Subject, shape: tuple[int, ...] = (3, 4), dtype: str | None = None) -> Any:
     return s.from_numpy(np.ones(shape, numpy_dtype(dtype or s.dtype)))
 
 
-def _wrong(s: Subject, right: str) -> str:
-    """A float dtype the family can make other than ``right`` (and other than float32, which
-    parameters of half x may have); skips when there is none."""
-    allowed = {right, "float32"} if right in HALF_DTYPES else {right}
-    for dtype in s.dtypes:
-        if dtype not in allowed:
-            return dtype
-    pytest.skip(f"{s.family} arrays of no dtype but {sorted(allowed)} can be made here")
-
-
-def _stats_dtype(dtype: str) -> str:
-    return "float64" if dtype == "float64" else "float32"
-
-
-#: The error and the call's arguments after x (a function of the subject).
-Bad = tuple[type[Exception], Callable[[Subject], dict[str, Any]]]
-
-#: id -> bad input of layer_norm. x is ``_array(s)`` — shape (3, 4) in the subject's float32
-#: (else widest) dtype — unless the arguments give ``x``.
-BAD: dict[str, Bad] = {
-    "x-list": (ArgumentError, lambda s: {"x": [[1.0, 2.0], [3.0, 4.0]]}),
-    "x-int": (DtypeError, lambda s: {"x": s.from_numpy(np.ones((3, 4), np.int32))}),
-    "x-0d": (ShapeError, lambda s: {"x": s.from_numpy(np.array(1.0, numpy_dtype(s.dtype)))}),
-    "x-foreign": (BackendError, lambda s: {"x": ForeignArray(np.ones((3, 4), np.float32))}),
-    "unknown-backend": (BackendError, lambda s: {"backend": "no_such_backend"}),
-    "shape-mismatch": (ShapeError, lambda s: {"normalized_shape": (5,)}),
-    "shape-too-long": (ShapeError, lambda s: {"normalized_shape": (2, 3, 4)}),
-    "shape-empty": (ShapeError, lambda s: {"normalized_shape": ()}),
-    "shape-float": (ArgumentError, lambda s: {"normalized_shape": 4.0}),
-    "shape-str": (ArgumentError, lambda s: {"normalized_shape": "4"}),
-    "axis-out-of-range": (ShapeError, lambda s: {"axis": 2}),
-    "axis-negative-out-of-range": (ShapeError, lambda s: {"axis": -3}),
-    "axis-repeated": (ShapeError, lambda s: {"axis": (1, -1)}),
-    "axis-empty": (ShapeError, lambda s: {"axis": ()}),
-    "axis-bool": (ArgumentError, lambda s: {"axis": True}),
-    "axis-disagrees": (ShapeError, lambda s: {"normalized_shape": (4,), "axis": 0}),
-    "weight-shape": (ShapeError, lambda s: {"weight": _array(s, (3,))}),
-    "weight-shape-2d": (ShapeError, lambda s: {"weight": _array(s, (1, 4))}),
-    "weight-dtype": (
-        DtypeError,
-        lambda s: {"weight": _array(s, (4,), _wrong(s, s.dtype))},
-    ),
-    "weight-int": (DtypeError, lambda s: {"weight": s.from_numpy(np.ones(4, np.int32))}),
-    "weight-foreign": (DeviceError, lambda s: {"weight": ForeignArray(np.ones(4, np.float32))}),
-    "bias-shape": (ShapeError, lambda s: {"bias": _array(s, (5,))}),
-    "bias-dtype": (DtypeError, lambda s: {"bias": _array(s, (4,), _wrong(s, s.dtype))}),
-    "bias-foreign": (DeviceError, lambda s: {"bias": ForeignArray(np.ones(4, np.float32))}),
-    "eps-negative": (ArgumentError, lambda s: {"eps": -1e-5}),
-    "eps-nan": (ArgumentError, lambda s: {"eps": float("nan")}),
-    "eps-inf": (ArgumentError, lambda s: {"eps": float("inf")}),
-    "eps-none": (ArgumentError, lambda s: {"eps": None}),
-    "eps-bool": (ArgumentError, lambda s: {"eps": True}),
-    "eps-list": (ArgumentError, lambda s: {"eps": [1e-5]}),
-    "eps-str": (ArgumentError, lambda s: {"eps": "1e-5"}),
-    "return-stats-int": (ArgumentError, lambda s: {"return_stats": 1}),
-    "return-stats-str": (ArgumentError, lambda s: {"return_stats": "yes"}),
-    "out-shape": (ShapeError, lambda s: {"out": _array(s, (4, 3))}),
-    "out-dtype": (DtypeError, lambda s: {"out": _array(s, (3, 4), _wrong(s, s.dtype))}),
-    "out-foreign": (DeviceError, lambda s: {"out": ForeignArray(np.ones((3, 4), np.float32))}),
-    "out-tuple-without-stats": (ArgumentError, lambda s: {"out": (_array(s), None, None)}),
-    "out-tuple-of-two": (
-        ArgumentError,
-        lambda s: {"out": (_array(s), None), "return_stats": True},
-    ),
-    "out-mean-dtype": (
-        DtypeError,
-        lambda s: {
-            "out": (None, _array(s, (3, 1), _wrong(s, _stats_dtype(s.dtype))), None),
-            "return_stats": True,
-        },
-    ),
-    "out-rstd-shape": (
-        ShapeError,
-        lambda s: {
-            "out": (None, None, _array(s, (3,), _stats_dtype(s.dtype))),
-            "return_stats": True,
-        },
-    ),
-}
-
-
-#: ids of BAD that rms_norm does not share: it has no bias, eps=None is its default, and its
-#: ``out`` tuple is ``(y, rstd)``.
-_LAYER_NORM_ONLY: Final = frozenset(
-    {
-        "bias-shape",
-        "bias-dtype",
-        "bias-foreign",
-        "eps-none",
-        "out-tuple-without-stats",
-        "out-tuple-of-two",
-        "out-mean-dtype",
-        "out-rstd-shape",
-    }
-)
-
-#: id -> bad input of rms_norm only. rms_norm has no bias parameter: a bias keyword is Python's
-#: TypeError, and a bias passed where layer_norm takes it (after weight) lands on eps.
-BAD_RMS_NORM: dict[str, Bad] = {
-    "bias-keyword": (TypeError, lambda s: {"bias": _array(s, (4,))}),
-    "bias-in-eps-position": (
-        ArgumentError,
-        lambda s: {"normalized_shape": 4, "weight": _array(s, (4,)), "eps": _array(s, (4,))},
-    ),
-    "out-tuple-without-stats": (ArgumentError, lambda s: {"out": (_array(s), None)}),
-    "out-tuple-of-three": (
-        ArgumentError,
-        lambda s: {"out": (_array(s), None, None), "return_stats": True},
-    ),
-    "out-rstd-dtype": (
-        DtypeError,
-        lambda s: {
-            "out": (None, _array(s, (3, 1), _wrong(s, _stats_dtype(s.dtype)))),
-            "return_stats": True,
-        },
-    ),
-    "out-rstd-shape": (
-        ShapeError,
-        lambda s: {"out": (None, _array(s, (3,), _stats_dtype(s.dtype))), "return_stats": True},
-    ),
-}
-
-#: op -> id -> bad input.
-BAD_BY_OP: Final[dict[str, dict[str, Bad]]] = {
-    "layer_norm": BAD,
-    "rms_norm": {
-        **{k: v for k, v in BAD.items() if k not in _LAYER_NORM_ONLY},
-        **BAD_RMS_NORM,
-    },
-}
-
-
-@pytest.mark.parametrize(("op", "bad"), [(op, bad) for op in OPS for bad in BAD_BY_OP[op]])
+@pytest.mark.parametrize(("op", "bad"), [(op, bad.name) for op in OPS for bad in bad_inputs_of(op)])
 def test_bad_input(normlab_subject: Subject, op: str, bad: str) -> None:
-    """Each bad argument raises the NormlabError subclass that names the problem."""
+    """Each bad argument (:data:`normlab.testing.bad_inputs.BAD_INPUTS`) raises the
+    NormlabError subclass that names the problem, with a message that says what is wrong."""
     normlab_subject.require_op(op)
-    error, arguments = BAD_BY_OP[op][bad]
-    kwargs = {"x": _array(normlab_subject), "backend": normlab_subject.name}
-    kwargs.update(arguments(normlab_subject))
-    with pytest.raises(error):
-        getattr(normlab, op)(**kwargs)
+    BAD_INPUTS[bad].check(op, Inputs(normlab_subject), normlab_subject.name)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -200,8 +58,9 @@ def test_dtype_not_served(normlab_subject: Subject) -> None:
 def test_out_zero_stride(normlab_subject: Subject) -> None:
     """A broadcast ``out`` (zero stride, overlapping elements): ArgumentError."""
     normlab_subject.require_layout("broadcast")
-    backend = normlab.registry.get(normlab_subject.name)
-    out = arrange(np.zeros((3, 4), numpy_dtype(normlab_subject.dtype)), "broadcast", backend)
+    out = arrange(
+        np.zeros((3, 4), numpy_dtype(normlab_subject.dtype)), "broadcast", normlab_subject
+    )
     with pytest.raises(ArgumentError):
         normlab.layer_norm(_array(normlab_subject), out=out, backend=normlab_subject.name)
 

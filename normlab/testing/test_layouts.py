@@ -9,7 +9,8 @@ import pytest
 
 import normlab
 from normlab.spec import stats_names
-from normlab.testing.cases import LAYOUTS, OPS, Case, arrange, numpy_dtype, same_kind
+from normlab.testing.cases import OPS, Case, same_kind
+from normlab.testing.conversions import LAYOUTS, arrange, numpy_dtype
 from normlab.testing.subject import Subject
 
 #: x's shape and normalized axes: trailing, non-trailing, split; 2-D ones collapse to row views
@@ -203,7 +204,7 @@ def test_out(normlab_subject: Subject, op: str, layout: str, out_layout: str) ->
     out = arrange(
         np.zeros(case.shape, numpy_dtype(case.dtype)),
         out_layout,
-        normlab.registry.get(normlab_subject.name),
+        normlab_subject,
     )
     y = case.call(x, **kwargs, backend=normlab_subject.name, out=out)
     assert y is out, f"{op}(..., out=out) must return out itself"

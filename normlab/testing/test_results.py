@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from normlab.spec import FLOAT_DTYPES, stats_names
-from normlab.testing.cases import OPS, Case, numpy_dtype
+from normlab.testing.cases import OPS, Case
+from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
 
 #: (normalized_shape, axis) on x of shape (3, 5, 7).

@@ -9,13 +9,13 @@ from typing import Any
 
 import dask
 import dask.array as da
-import ml_dtypes
 import normlab
 import numpy as np
 import pytest
 from dask.array.utils import meta_from_array
 from distributed import Client, LocalCluster, get_task_stream
 from normlab import arrays, reference, testing
+from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close, conditioning
 
 import normlab_dask
@@ -51,15 +51,11 @@ def client() -> Iterator[Client]:
         yield c
 
 
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
 def _layer_norm_inputs(
     shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, call: dict[str, Any]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, da.Array, da.Array, da.Array]:
     rng = np.random.default_rng(0)
-    x = (5.0 + 3.0 * rng.standard_normal(shape)).astype(_numpy_dtype(dtype))
+    x = (5.0 + 3.0 * rng.standard_normal(shape)).astype(numpy_dtype(dtype))
     axes = reference.normalized_axes(len(shape), call.get("normalized_shape"), call.get("axis"))
     param_shape = tuple(shape[a] for a in axes)
     param_dtype = np.float32 if dtype in ("float16", "bfloat16") else x.dtype

@@ -1,0 +1,169 @@
+"""``normlab calibrate``: measure each backend's cost model on this machine.
+
+For every available backend, every family it serves (its own and its zero-copy families), every
+op it provides and every dtype: time calls on a few sizes of x, from one row to several MiB, and
+fit ``time = fixed_us + x_bytes / bytes_per_us`` by least squares. The table goes to the cache
+directory (:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the
+records' shipped models. Timings are medians of batches of calls, so a busy moment shifts them
+less; calibrate on an idle machine all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from normlab import costs, dispatch, registry
+from normlab.constants import FLOAT_DTYPES
+from normlab.errors import ArgumentError
+from normlab.registry import Backend
+
+__all__ = ["SIZES", "Measurement", "calibrate", "fit"]
+
+#: Rows of x measured (of :data:`COLS` columns): one token to a few MiB.
+SIZES: Final = (1, 8, 64, 512, 4096)
+QUICK_SIZES: Final = (1, 64)
+COLS: Final = 768
+#: Seconds of calls per timed batch, and batches per size (the median is kept).
+_BATCH_S: Final = 0.01
+_BATCHES: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    backend: str
+    op: str
+    family: str
+    dtype: str
+    x_bytes: int
+    us: float
+
+
+def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(fixed_us, bytes_per_us)`` of the least-squares line ``us = fixed + bytes / rate``
+    through ``(x_bytes, us)`` points; the fixed cost is at least 0, the rate positive."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    slope = max(slope, 1e-9)  # us per byte: never free, never negative
+    fixed = max(mean_y - slope * mean_x, 0.0)
+    return fixed, 1.0 / slope
+
+
+def calibrate(
+    backends: Sequence[str] | None = None,
+    dtypes: Sequence[str] = FLOAT_DTYPES,
+    quick: bool = False,
+    path: Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[Path, list[Measurement]]:
+    """Measure, fit, write the table (to ``path``, default the cache directory's) and make the
+    dispatcher use it. Returns where it went and every measurement."""
+    target = path or costs.calibration_path()
+    if target is None:
+        raise ArgumentError("no cache directory (no home directory): pass a path to write to")
+    chosen = [registry.get(name) for name in backends] if backends else registry.list_backends()
+    measurements: list[Measurement] = []
+    for backend in chosen:
+        if not backend.available:
+            progress(f"{backend.name}: skipped, unavailable: {backend.reason}")
+            continue
+        for m in _measure(backend, dtypes, QUICK_SIZES if quick else SIZES):
+            measurements.append(m)
+            progress(f"{m.backend} {m.op} {m.family} {m.dtype} {m.x_bytes} B: {m.us:.1f} µs")
+    table = _table(measurements)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    tmp.replace(target)
+    costs.reload()
+    dispatch.clear_caches()
+    return target, measurements
+
+
+def _table(measurements: list[Measurement]) -> dict[str, Any]:
+    grouped: dict[tuple[str, str, str], dict[str, list[tuple[float, float]]]] = {}
+    for m in measurements:
+        by_dtype = grouped.setdefault((m.backend, m.op, m.family), {})
+        by_dtype.setdefault(m.dtype, []).append((float(m.x_bytes), m.us))
+    backends: dict[str, dict[str, Any]] = {}
+    for (name, op, family), by_dtype in grouped.items():
+        fits = {dtype: fit(points) for dtype, points in by_dtype.items()}
+        backends.setdefault(name, {})[f"{op}:{family}"] = {
+            "fixed_us": round(statistics.median(f for f, _ in fits.values()), 3),
+            "bytes_per_us": {dtype: round(rate, 1) for dtype, (_, rate) in fits.items()},
+        }
+    return {"machine": _machine(), "backends": backends}
+
+
+def _machine() -> str:
+    import platform
+
+    return (
+        f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs"
+    )
+
+
+def _measure(
+    backend: Backend, dtypes: Sequence[str], sizes: Sequence[int]
+) -> Iterator[Measurement]:
+    import numpy as np
+
+    from normlab.testing.conversions import numpy_dtype
+
+    families = sorted(backend.families | backend.zero_copy_families)
+    rng = np.random.default_rng(0)
+    for family in families:
+        converter = _converter(family)
+        if converter is None:
+            continue
+        for dtype in sorted(set(dtypes) & backend.dtypes):
+            for op in sorted(backend.ops):
+                for rows in sizes:
+                    x64 = rng.standard_normal((rows, COLS))
+                    call = _call(op, converter, x64.astype(numpy_dtype(dtype)), backend.name)
+                    nbytes = rows * COLS * np.dtype(numpy_dtype(dtype)).itemsize
+                    yield Measurement(backend.name, op, family, dtype, nbytes, _median_us(call))
+
+
+def _converter(family: str) -> Callable[[Any], Any] | None:
+    """NumPy → ``family`` through the first available backend that serves it natively."""
+    for b in registry.list_backends():
+        if family in b.families and b.available:
+            return b.from_numpy
+    return None
+
+
+def _call(op: str, convert: Callable[[Any], Any], x: Any, name: str) -> Callable[[], Any]:
+    import normlab
+
+    xa = convert(x)
+    if op in ("layer_norm", "rms_norm"):
+        function = getattr(normlab, op)
+        return lambda: function(xa, backend=name)
+    forward = getattr(normlab, op.removesuffix("_backward"))
+    _, *stats = forward(xa, return_stats=True, backend=name)
+    backward = getattr(normlab, op)
+    return lambda: backward(xa, xa, *stats, backend=name)
+
+
+def _median_us(call: Callable[[], Any]) -> float:
+    call()  # compiles, allocates, fills caches
+    start = time.perf_counter()
+    call()
+    once = max(time.perf_counter() - start, 1e-7)
+    repeats = max(1, int(_BATCH_S / once))
+    batches = []
+    for _ in range(_BATCHES):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        batches.append((time.perf_counter() - start) / repeats)
+    return statistics.median(batches) * 1e6

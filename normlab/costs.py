@@ -1,0 +1,89 @@
+"""Cost estimates that let the dispatcher pick the cheaper of two able backends.
+
+A backend's :class:`~normlab.hookspecs.CostModel` for an op comes from, in order: the calibration
+file ``normlab calibrate`` wrote on this machine (``costs.json`` in normlab's cache directory,
+``$NORMLAB_CACHE_DIR/calibration``), else the model its record declares (the built-in backends
+ship models measured on a 2-core x86-64 VM, ``normlab/backends/costs.json``). A call's estimate
+depends on its metadata alone: the op, the dtype and the log2 bucket of x's size in bytes, never
+on timings taken at call time — so a choice is cached, and the same call always goes to the same
+backend on one machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from pathlib import Path
+from typing import Final
+
+from normlab.backends.cache_dirs import cache_root
+from normlab.constants import ITEMSIZE
+from normlab.errors import NormlabWarning
+from normlab.hookspecs import CostModel, Plan, cost_table
+from normlab.registry import Backend
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "bucket",
+    "calibration_path",
+    "estimate_us",
+    "model",
+    "reload",
+]
+
+CALIBRATION_FILE: Final = "costs.json"
+
+
+def bucket(plan: Plan) -> int:
+    """The log2 bucket of x's size in bytes (``bit_length``): calls in one bucket cost alike."""
+    return (plan.rows * plan.cols * ITEMSIZE[plan.dtype]).bit_length()
+
+
+def estimate_us(backend: Backend, plan: Plan) -> float | None:
+    """The estimated microseconds of ``plan`` on ``backend`` at the middle of its size bucket,
+    or None when the backend declares no model for the op or the dtype."""
+    found = model(backend, plan.op, plan.family)
+    if found is None:
+        return None
+    b = bucket(plan)
+    x_bytes = 0.0 if b == 0 else 2.0 ** (b - 0.5)  # bytes in [2^(b-1), 2^b)
+    return found.estimate_us(x_bytes, plan.dtype)
+
+
+def model(backend: Backend, op: str, family: str) -> CostModel | None:
+    """``backend``'s cost model for ``op`` on arrays of ``family``: this machine's calibration,
+    else its record's; the key ``"op:family"`` first (a zero-copy family may cost more per
+    call), then ``"op"``."""
+    for models in (_calibrated().get(backend.name, {}), backend.record.costs):
+        found = models.get(f"{op}:{family}") or models.get(op)
+        if found is not None:
+            return found
+    return None
+
+
+def calibration_path() -> Path | None:
+    """Where ``normlab calibrate`` writes and the dispatcher reads this machine's models."""
+    root = cache_root("calibration")
+    return None if root is None else root / CALIBRATION_FILE
+
+
+@functools.cache
+def _calibrated() -> dict[str, dict[str, CostModel]]:
+    path = calibration_path()
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return cost_table(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        warnings.warn(
+            f"ignoring the calibration {path} ({exc}); run 'normlab calibrate' again",
+            NormlabWarning,
+            stacklevel=2,
+        )
+        return {}
+
+
+def reload() -> None:
+    """Read the calibration file again on the next estimate (after ``normlab calibrate``)."""
+    _calibrated.cache_clear()

@@ -1,0 +1,732 @@
+"""The fuzzers' model of the public API: a call as plain data, and what the contract says of it.
+
+A drawn call is plain data (:class:`Forward` for ``layer_norm``/``rms_norm``, :class:`Backward`
+for their backward ops) from which the arrays are made (:meth:`Forward.build`); its repr reruns
+it. The model, written from the contract and not from the implementation, says which
+:class:`~normlab.NormlabError` subclasses the call may raise (:meth:`Forward.problems`,
+:meth:`Backward.problems`; empty: the call is valid) and what a valid call returns
+(:func:`check_forward_result`, :func:`check_backward_result`: kinds, ``out`` identity, values
+against the float64 reference within the conformance suite's tolerances). The hypothesis
+strategies that draw calls are in fuzz_strategies.py, the tests in test_fuzz_api.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+import normlab
+from normlab import dispatch, reference, registry
+from normlab.constants import MACHINE_EPS
+from normlab.testing.conversions import (
+    LAYOUTS,
+    arrange,
+    as_float64,
+    conversion,
+    dtype_name,
+    finfo,
+    numpy_dtype,
+    numpy_layout,
+    to_numpy,
+)
+from normlab.testing.tolerances import assert_close, conditioning
+
+FLOATS: Final = ("float16", "bfloat16", "float32", "float64")
+HALF: Final = frozenset({"float16", "bfloat16"})
+#: Scales of the value kinds at the edges of a dtype's range: float64 rows whose squares
+#: overflow (``huge``), float32/float64 rows whose squares underflow (``minute``).
+RANGE_EDGES: Final = {
+    "huge": {"float64": 1e300},
+    "minute": {"float32": 1e-25, "float64": 1e-170},
+}
+
+
+def stats_dtype(dtype: str) -> str:
+    """The statistics' dtype for x of ``dtype``."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+# --------------------------------------------------------------------------------------------
+# Making arrays of a family, a dtype and a layout
+
+
+def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator, dtype: str) -> np.ndarray:
+    if kind == "spread" and dtype in FLOATS:  # rows scaled by 2^k, up to max/8 (float64: 2^400)
+        top = min(math.log2(float(finfo(dtype).max)) - 3, 400.0)
+        k = rng.uniform(-10.0, top, (*shape[:-1], 1)) if shape else rng.uniform(-10.0, top)
+        return rng.standard_normal(shape) * np.exp2(k)
+    if kind == "offset":
+        return 100.0 + 0.01 * rng.standard_normal(shape)
+    if kind == "integers":
+        return rng.integers(-3, 4, shape).astype(np.float64)
+    if kind == "tiny":
+        return 1e-3 * rng.standard_normal(shape)
+    if kind in RANGE_EDGES and dtype in FLOATS:  # rows whose squares overflow or underflow
+        return rng.uniform(-1.0, 1.0, shape) * RANGE_EDGES[kind].get(dtype, 1.0)
+    if kind == "constant":  # rows of one value each (with eps = 0: NaN, 0 / 0)
+        row_values = rng.standard_normal((*shape[:-1], 1)) if shape else rng.standard_normal()
+        return np.repeat(row_values, shape[-1], axis=-1) if shape else np.asarray(row_values)
+    return rng.standard_normal(shape)
+
+
+def make(
+    family: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    rng: np.random.Generator,
+    layout: str = "c",
+    kind: str = "normal",
+    requires_grad: bool = False,
+) -> Any:
+    """An array of ``family`` with these values, dtype and layout (a NumPy-only layout, say
+    ``readonly``, gives a torch tensor in C order)."""
+    values = np.asarray(_values(shape, kind, rng, dtype))
+    if dtype not in FLOATS:  # integers, bool, complex, object, datetime: from whole numbers
+        values = np.asarray(np.rint(values).astype(np.int64))
+    typed = values.astype(numpy_dtype(dtype))
+    if family == "numpy":
+        return numpy_layout(typed, layout)
+    t = arrange(typed, layout if layout in LAYOUTS else "c", conversion("torch"))
+    return t.requires_grad_() if requires_grad else t
+
+
+def is_array(a: Any) -> bool:
+    return isinstance(a, (np.ndarray, np.generic, torch.Tensor))
+
+
+def family_of(a: Any) -> str:
+    return "torch" if isinstance(a, torch.Tensor) else "numpy"
+
+
+def writeable(a: Any) -> bool:
+    return bool(a.flags.writeable) if isinstance(a, np.ndarray) else True
+
+
+def zero_stride(a: Any) -> bool:
+    strides = a.stride() if isinstance(a, torch.Tensor) else a.strides
+    return math.prod(a.shape) > 0 and any(
+        s == 0 and n > 1 for s, n in zip(strides, a.shape, strict=True)
+    )
+
+
+def tracks_grad(a: Any) -> bool:
+    return isinstance(a, torch.Tensor) and a.requires_grad
+
+
+def snapshot(a: Any) -> Any:
+    """A copy of ``a``'s values, whatever its dtype (NumPy: its bytes in C order)."""
+    return a.detach().clone() if isinstance(a, torch.Tensor) else np.asarray(a).tobytes()
+
+
+def unchanged(before: Any, a: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return bool(torch.equal(before, a.detach()))
+    return bool(before == np.asarray(a).tobytes())
+
+
+# --------------------------------------------------------------------------------------------
+# The independent model of the contract: which errors a call may raise
+
+
+def int_tuple(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints when it is an int or a tuple/list of ints, else None."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items):
+        return None
+    return tuple(int(v) for v in items)
+
+
+def axes_problems(
+    shape: tuple[int, ...], normalized_shape: Any, axis: Any
+) -> tuple[tuple[int, ...] | None, set[type[Exception]]]:
+    """The sorted normalized axes (None when they cannot be told) and the errors to expect."""
+    ndim = len(shape)
+    problems: set[type[Exception]] = set()
+    from_shape = None
+    if normalized_shape is not None:
+        ns = int_tuple(normalized_shape)
+        if ns is None:
+            problems.add(normlab.ArgumentError)
+        elif not ns or len(ns) > ndim or shape[ndim - len(ns) :] != ns:
+            problems.add(normlab.ShapeError)
+        else:
+            from_shape = tuple(range(ndim - len(ns), ndim))
+    if axis is None:
+        if problems:
+            return None, problems
+        return (from_shape or (ndim - 1,)), problems
+    given_axes = int_tuple(axis)
+    if given_axes is None:
+        problems.add(normlab.ArgumentError)
+        return None, problems
+    if not given_axes or any(not -ndim <= a < ndim for a in given_axes):
+        problems.add(normlab.ShapeError)
+        return None, problems
+    axes = tuple(sorted(a % ndim for a in given_axes))
+    if len(set(axes)) != len(axes) or (normalized_shape is not None and axes != from_shape):
+        problems.add(normlab.ShapeError)
+    if problems:
+        return None, problems
+    return axes, problems
+
+
+def param_problems(p: Any, x: Any, norm_shape: tuple[int, ...] | None) -> set[type[Exception]]:
+    """Errors a weight or bias ``p`` may raise for ``x`` (x is a float array)."""
+    if p is None:
+        return set()
+    if not is_array(p):
+        return {normlab.ArgumentError}
+    if family_of(p) != family_of(x):
+        return {normlab.DeviceError}
+    problems: set[type[Exception]] = set()
+    allowed = {dtype_name(x)} | ({"float32"} if dtype_name(x) in HALF else set())
+    if isinstance(p, np.ma.MaskedArray) or dtype_name(p) not in allowed:
+        problems.add(normlab.DtypeError)
+    if norm_shape is None or tuple(p.shape) != norm_shape:
+        problems.add(normlab.ShapeError)
+    return problems
+
+
+def eps_problems(eps: Any, op: str) -> set[type[Exception]]:
+    if eps is None and op == "rms_norm":
+        return set()
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(
+        eps, (int, float, np.floating, Fraction)
+    ):
+        return {normlab.ArgumentError}
+    if isinstance(eps, int):  # valid when it is a float too (10**400 is not)
+        return set() if 0 <= eps < 2**1024 else {normlab.ArgumentError}
+    value = float(eps)
+    return set() if math.isfinite(value) and value >= 0 else {normlab.ArgumentError}
+
+
+def out_array_problems(o: Any, x: Any, shape: tuple[int, ...], dtype: str) -> set[type[Exception]]:
+    if not is_array(o):
+        return {normlab.ArgumentError}
+    if family_of(o) != family_of(x):
+        return {normlab.DeviceError}
+    problems: set[type[Exception]] = set()
+    if dtype_name(o) != dtype or isinstance(o, np.ma.MaskedArray):
+        problems.add(normlab.DtypeError)
+    if tuple(o.shape) != shape:
+        problems.add(normlab.ShapeError)
+    if not writeable(o) or zero_stride(o) or tracks_grad(o):
+        problems.add(normlab.ArgumentError)
+    return problems
+
+
+def backend_problems(name: Any, op: str, x: Any, requires_grad: bool) -> set[type[Exception]]:
+    """Errors of ``backend=name``, read from the backends' records (None: never an error)."""
+    if name is None:
+        return set()
+    if not isinstance(name, str) or name not in {b.name for b in registry.list_backends()}:
+        return {normlab.BackendError}
+    b = registry.get(name)
+    serves = (
+        op in b.ops
+        and family_of(x) in b.families | b.zero_copy_families | b.explicit_families
+        and "cpu" in b.devices
+        and dtype_name(x) in b.dtypes
+        and (not requires_grad or dispatch.keeps_graph(b, op))
+        and b.available
+    )
+    return set() if serves else {normlab.BackendError}
+
+
+# --------------------------------------------------------------------------------------------
+# Forward calls
+
+
+@dataclass(frozen=True)
+class Param:
+    """How a weight or bias is made: ``kind`` and, for kinds that need one, a dtype."""
+
+    kind: str  # ok, float32, wrong_shape, wrong_dtype, other_family, list, masked, strided,
+    #            broadcast, swapped, requires_grad
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One call of ``layer_norm`` or ``rms_norm``, completely described by plain values."""
+
+    op: str
+    family: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str
+    values: str
+    normalized_shape: Any
+    axis: Any
+    weight: Param | None
+    bias: Param | None
+    eps: Any  # "default" for no eps argument
+    return_stats: Any
+    out: str | None
+    out_stats: tuple[str | None, str | None]  # with out="tuple": mean and rstd entries
+    backend: Any
+    preference: str | None
+    requires_grad: bool
+    seed: int
+    arrays: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def build(self) -> dict[str, Any]:
+        """The call's arguments (arrays made from the seed)."""
+        rng = np.random.default_rng(self.seed)
+        if self.dtype == "not_an_array":
+            x: Any = [[1.0, 2.0]]
+        elif self.out == "overlap":
+            x = self._overlapping_x(rng)
+        else:
+            x = make(
+                self.family,
+                self.dtype,
+                self.shape,
+                rng,
+                self.layout,
+                self.values,
+                self.requires_grad,
+            )
+        kwargs: dict[str, Any] = {"x": x}
+        if self.normalized_shape is not None:
+            kwargs["normalized_shape"] = self.normalized_shape
+        if self.axis is not None:
+            kwargs["axis"] = self.axis
+        norm_shape = self.norm_shape()
+        for name in ("weight", "bias"):
+            spec = getattr(self, name)
+            if spec is not None:
+                kwargs[name] = self._param(spec, norm_shape, rng)
+        if self.eps != "default":
+            kwargs["eps"] = self.eps
+        kwargs["return_stats"] = self.return_stats
+        if self.out is not None:
+            kwargs["out"] = self._out(x, rng)
+        if self.aliases_weight(norm_shape):
+            # weight: the first elements of out's memory (out is C-contiguous here)
+            kwargs["weight"] = (
+                kwargs["out"].reshape(-1)[: math.prod(norm_shape)].reshape(norm_shape)
+            )
+        if self.backend is not None:
+            kwargs["backend"] = self.backend
+        return kwargs
+
+    def aliases_weight(self, norm_shape: tuple[int, ...] | None) -> bool:
+        """Whether this call's weight is a view of its ``out`` (``out="aliases_weight"``)."""
+        return (
+            self.out == "aliases_weight"
+            and norm_shape is not None
+            and self.dtype in FLOATS
+            and math.prod(self.shape) > 0
+        )
+
+    def norm_shape(self) -> tuple[int, ...] | None:
+        if self.dtype == "not_an_array" or not self.shape:
+            return None
+        axes, _ = axes_problems(self.shape, self.normalized_shape, self.axis)
+        return None if axes is None else tuple(self.shape[a] for a in axes)
+
+    def _overlapping_x(self, rng: np.random.Generator) -> Any:
+        """x whose memory the ``out`` of this call overlaps by all rows but one (see _out)."""
+        bigger = (self.shape[0] + 1, *self.shape[1:])
+        memory = make(self.family, self.dtype, bigger, rng, "c", self.values)
+        self.arrays["memory"] = memory
+        return memory[:-1]
+
+    def _param(self, p: Param, norm_shape: tuple[int, ...] | None, rng: np.random.Generator) -> Any:
+        shape = norm_shape if norm_shape is not None else self.shape[-1:]
+        family, dtype = self.family, self.dtype if self.dtype in FLOATS else "float32"
+        layout, grad = "c", False
+        if p.kind == "float32":
+            dtype = "float32"
+        elif p.kind == "wrong_shape":
+            shape = (*shape, 2)
+        elif p.kind == "wrong_dtype":
+            dtype = p.dtype
+        elif p.kind == "other_family":
+            family = "torch" if self.family == "numpy" else "numpy"
+        elif p.kind == "list":
+            return [1.0] * math.prod(shape)
+        elif p.kind in ("strided", "broadcast", "swapped"):
+            layout = {"strided": "sliced"}.get(p.kind, p.kind)
+        elif p.kind == "requires_grad":
+            grad = True
+        a = make(family, dtype, shape, rng, layout, "normal", grad)
+        if p.kind == "masked":
+            return np.ma.masked_array(a, mask=np.zeros(a.shape, bool))
+        return a
+
+    def _out(self, x: Any, rng: np.random.Generator) -> Any:
+        shape, family = self.shape, self.family
+        dtype = self.dtype if self.dtype in FLOATS else "float32"
+        if self.out == "x":
+            return x
+        if self.out == "overlap":
+            return self.arrays["memory"][1:]
+        if self.out == "list":
+            return [0.0]
+        if self.out == "tuple":
+            y = make(family, dtype, shape, rng)
+            axes = self._axes() or ()
+            stats_shape = tuple(1 if a in axes else n for a, n in enumerate(shape))
+            mean, rstd = (self._stats_out(kind, stats_shape, rng) for kind in self.out_stats)
+            return (y, mean, rstd) if self.op == "layer_norm" else (y, rstd)
+        if self.out == "other_family":
+            family = "torch" if family == "numpy" else "numpy"
+        if self.out == "wrong_shape":
+            shape = (*shape, 1)
+        if self.out == "wrong_dtype":
+            dtype = "float64" if dtype != "float64" else "float32"
+        layouts = ("fortran", "readonly", "broadcast", "sliced", "swapped")
+        out = make(family, dtype, shape, rng, self.out if self.out in layouts else "c")
+        if self.out == "masked" and family == "numpy":
+            return np.ma.masked_array(out)
+        return out
+
+    def _stats_out(self, kind: str | None, shape: tuple[int, ...], rng: np.random.Generator) -> Any:
+        if kind is None:
+            return None
+        dtype = stats_dtype(self.dtype)
+        if kind == "wrong_dtype":
+            dtype = "float16"
+        if kind == "wrong_shape":
+            shape = (*shape, 1)
+        return make(self.family, dtype, shape, rng)
+
+    def _axes(self) -> tuple[int, ...] | None:
+        return axes_problems(self.shape, self.normalized_shape, self.axis)[0]
+
+    def problems(self, kwargs: dict[str, Any]) -> set[type[Exception]]:
+        """Every error the model expects (empty: the call is valid)."""
+        x = kwargs["x"]
+        if not is_array(x):
+            return {normlab.ArgumentError}
+        if self.dtype not in FLOATS:
+            return {normlab.DtypeError}
+        if not self.shape:
+            return {normlab.ShapeError}
+        axes, found = axes_problems(self.shape, self.normalized_shape, self.axis)
+        norm_shape = None if axes is None else tuple(self.shape[a] for a in axes)
+        for name in ("weight", "bias"):
+            found |= param_problems(kwargs.get(name), x, norm_shape)
+        found |= eps_problems(kwargs.get("eps", 1e-5 if self.op == "layer_norm" else None), self.op)
+        if not isinstance(self.return_stats, bool):
+            found.add(normlab.ArgumentError)
+        grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "weight", "bias"))
+        found |= self._out_problems(kwargs.get("out"), x, axes)
+        found |= backend_problems(self.backend, self.op, x, grad)
+        return found
+
+    def _out_problems(self, out: Any, x: Any, axes: tuple[int, ...] | None) -> set[type[Exception]]:
+        if out is None:
+            return set()
+        found: set[type[Exception]] = set()
+        if tracks_grad(x):
+            found.add(normlab.ArgumentError)
+        entries = 3 if self.op == "layer_norm" else 2
+        if isinstance(out, tuple):
+            if self.return_stats is not True or len(out) != entries:
+                return found | {normlab.ArgumentError}
+            y_out, stats = out[0], out[1:]
+        else:
+            y_out, stats = out, ()
+        if y_out is not None:
+            found |= out_array_problems(y_out, x, self.shape, self.dtype)
+        stats_shape = tuple(1 if a in (axes or ()) else n for a, n in enumerate(self.shape))
+        for s in stats:
+            if s is not None:
+                found |= out_array_problems(s, x, stats_shape, stats_dtype(self.dtype))
+        if axes is None and stats:
+            found.add(normlab.ShapeError)
+        if self.out == "overlap" and math.prod(self.shape) > 0 and self.shape[0] >= 2:
+            found.add(normlab.ArgumentError)
+        if self.aliases_weight(None if axes is None else self.norm_shape()):
+            found.add(normlab.ArgumentError)  # out shares memory with weight
+        return found
+
+
+def check_forward_result(f: Forward, kwargs: dict[str, Any], result: Any, x64: np.ndarray) -> None:
+    """Kinds, ``out`` identity and values of a valid call's result (x64: x before the call)."""
+    x, out = kwargs["x"], kwargs.get("out")
+    y, *stats = result if f.return_stats else (result,)
+    assert len(stats) == (0 if not f.return_stats else 2 if f.op == "layer_norm" else 1)
+    y_out, stats_out = (out[0], out[1:]) if isinstance(out, tuple) else (out, (None,) * len(stats))
+    assert y_out is None or y is y_out, "the result is not the out array"
+    assert type(y) is type(x) and tuple(y.shape) == f.shape and dtype_name(y) == f.dtype
+    if any(tracks_grad(kwargs.get(k)) for k in ("x", "weight", "bias")):
+        assert y.requires_grad, "the autograd graph was dropped"
+    axes = f._axes()
+    assert axes is not None
+    stats_shape = tuple(1 if a in axes else n for a, n in enumerate(f.shape))
+    for s, s_out in zip(stats, stats_out, strict=True):
+        assert s_out is None or s is s_out, "a statistic is not its out array"
+        assert type(s) is type(x) and tuple(s.shape) == stats_shape
+        assert dtype_name(s) == stats_dtype(f.dtype)
+    cols = math.prod(f.shape[a] for a in axes)
+    if cols == 0 or math.prod(f.shape) == 0:  # empty: no kernel; statistics of no column NaN
+        assert all(np.isnan(as_float64(s)).all() for s in stats)
+        if tracks_grad(y):  # the graph is kept: zero gradients, as torch's own layer_norm
+            y.sum().backward()
+            for name in ("x", "weight", "bias"):
+                a = kwargs.get(name)
+                if tracks_grad(a) and a.is_leaf:  # x used as out= is no leaf: no .grad
+                    assert a.grad is not None and not a.grad.any(), f"d{name} is not zero"
+        return
+    w, b = (None if kwargs.get(k) is None else as_float64(kwargs[k]) for k in ("weight", "bias"))
+    eps = kwargs.get("eps", 1e-5 if f.op == "layer_norm" else None)
+    with np.errstate(all="ignore"):
+        if f.op == "layer_norm":
+            want_y, want_mean, want_rstd = reference.layer_norm(
+                x64, weight=w, bias=b, eps=float(eps), axis=axes
+            )
+            cond = conditioning(want_mean, want_rstd)
+            z = (x64 - want_mean) * want_rstd
+            want_stats = {"mean": want_mean, "rstd": want_rstd}
+        else:
+            eps = MACHINE_EPS[f.dtype] if eps is None else float(eps)
+            want_y, want_rstd = reference.rms_norm(x64, weight=w, eps=eps, axis=axes)
+            cond = np.ones_like(want_rstd)
+            z = x64 * want_rstd
+            want_stats = {"rstd": want_rstd}
+    # Rows of zero variance with eps = 0 are 0/0: the contract leaves them undefined.
+    defined = np.isfinite(want_rstd)
+    in_y = np.broadcast_to(defined, f.shape)
+    scale = _param_abs(w, axes, f.shape, 1.0) * (1.0 + np.abs(z)) + _param_abs(
+        b, axes, f.shape, 0.0
+    )
+    repro = f"Rerun with: {f!r}"
+    assert_close(
+        as_float64(y)[in_y],
+        want_y[in_y],
+        f.dtype,
+        np.broadcast_to(cond, f.shape)[in_y],
+        what="y",
+        cols=cols,
+        scale=np.broadcast_to(scale, f.shape)[in_y],
+        repro=repro,
+    )
+    for (name, want), got in zip(
+        want_stats.items(), stats or [None] * len(want_stats), strict=True
+    ):
+        if got is None:  # return_stats=False
+            break
+        unit = 1.0 / want_rstd if name == "mean" else want_rstd
+        with np.errstate(over="ignore"):  # beyond float32's range (rstd at a tiny eps): inf
+            representable = want.astype(stats_dtype(f.dtype)).astype(np.float64)
+        assert_close(
+            as_float64(got)[defined],
+            representable[defined],
+            f.dtype,
+            cond[defined],
+            what=name,
+            cols=cols,
+            scale=unit[defined],
+            repro=repro,
+        )
+
+
+def _param_abs(
+    p: np.ndarray | None, axes: tuple[int, ...], shape: tuple[int, ...], missing: float
+) -> Any:
+    if p is None:
+        return missing
+    dims = [1] * len(shape)
+    for a in axes:
+        dims[a] = shape[a]
+    return np.abs(p).reshape(dims)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward calls
+
+
+@dataclass(frozen=True)
+class Backward:
+    """One call of ``layer_norm_backward`` or ``rms_norm_backward``: a valid forward, then
+    arguments of which some are broken on purpose (``broken``: argument name -> how)."""
+
+    op: str
+    family: str
+    dtype: str
+    shape: tuple[int, ...]
+    axis: tuple[int, ...]
+    weight: str | None  # None, "x" (x's dtype) or "float32"
+    broken: tuple[tuple[str, str], ...]
+    needs: Any
+    backend: Any
+    seed: int
+
+    @property
+    def forward_op(self) -> str:
+        return self.op.removesuffix("_backward")
+
+    @property
+    def stats_names(self) -> tuple[str, ...]:
+        return ("mean", "rstd") if self.op == "layer_norm_backward" else ("rstd",)
+
+    def build(self) -> dict[str, Any]:
+        """The backward's arguments: a valid forward's, then broken as ``broken`` says."""
+        rng = np.random.default_rng(self.seed)
+        x = make(self.family, self.dtype, self.shape, rng)
+        norm_shape = tuple(self.shape[a] for a in self.axis)
+        weight = None
+        if self.weight is not None:
+            wdtype = "float32" if self.weight == "float32" and self.dtype in HALF else self.dtype
+            weight = make(self.family, wdtype, norm_shape, rng)
+        forward = normlab.layer_norm if self.forward_op == "layer_norm" else normlab.rms_norm
+        _, *stats = forward(x, weight=weight, axis=self.axis, return_stats=True)
+        kwargs: dict[str, Any] = {
+            "dy": make(self.family, self.dtype, self.shape, rng),
+            "x": x,
+            **dict(zip(self.stats_names, stats, strict=True)),
+            "weight": weight,
+            "axis": self.axis,
+            "needs": self.needs,
+        }
+        for name, how in self.broken:
+            kwargs[name] = self._break(kwargs[name], how, rng)
+        if self.backend is not None:
+            kwargs["backend"] = self.backend
+        return kwargs
+
+    def _break(self, a: Any, how: str, rng: np.random.Generator) -> Any:
+        if how == "none":
+            return None
+        if how == "list":
+            return [0.0]
+        if how == "axis":
+            return (len(self.shape),)
+        if a is None:
+            return make(self.family, self.dtype, self.shape[-1:], rng)
+        dtype, shape, family = dtype_name(a), tuple(a.shape), family_of(a)
+        if how == "dtype":
+            dtype = "float16" if dtype != "float16" else "float64"
+        elif how == "shape":
+            shape = (*shape, 2)
+        elif how == "family":
+            family = "torch" if family == "numpy" else "numpy"
+        elif how == "strided":  # the same values, every axis strided
+            return arrange(np.asarray(to_numpy(a)), "sliced", conversion(family))
+        return make(family, dtype, shape, rng)
+
+    def problems(self, kwargs: dict[str, Any]) -> set[type[Exception]]:
+        x = kwargs["x"]
+        found: set[type[Exception]] = set()
+        known = ("x", "weight", "bias") if self.op == "layer_norm_backward" else ("x", "weight")
+        needs = kwargs["needs"]
+        if (
+            isinstance(needs, str)
+            or not isinstance(needs, (tuple, list, set, frozenset))
+            or any(n not in known for n in needs)
+        ):
+            found.add(normlab.ArgumentError)
+        axes, axis_found = axes_problems(self.shape, None, kwargs["axis"])
+        found |= axis_found
+        stats_shape = tuple(1 if a in (axes or ()) else n for a, n in enumerate(self.shape))
+        for name in ("dy", "mean", "rstd"):
+            if name not in kwargs:
+                continue
+            shape = self.shape if name == "dy" else stats_shape
+            dtype = self.dtype if name == "dy" else stats_dtype(self.dtype)
+            a = kwargs[name]
+            if not is_array(a):
+                found.add(normlab.ArgumentError)
+            elif family_of(a) != family_of(x):
+                found.add(normlab.DeviceError)
+            else:
+                if dtype_name(a) != dtype:
+                    found.add(normlab.DtypeError)
+                if tuple(a.shape) != shape or (axes is None and name != "dy"):
+                    found.add(normlab.ShapeError)
+        norm_shape = None if axes is None else tuple(self.shape[a] for a in axes)
+        found |= param_problems(kwargs["weight"], x, norm_shape)
+        found |= backend_problems(self.backend, self.op, x, False)
+        return found
+
+
+def expected_gradients(
+    b: Backward, kwargs: dict[str, Any]
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The float64 gradients from exact statistics: ``(conditioning, {name: (want, scale)})``;
+    ``scale`` is the size of the terms each element sums (what its rounding error grows with).
+    """
+    x64, dy64 = as_float64(kwargs["x"]), as_float64(kwargs["dy"])
+    norm_shape = tuple(x64.shape[a] for a in b.axis)
+    if x64.size == 0:  # no element: dx empty, sums over no row zero
+        zeros = np.zeros(norm_shape)
+        return np.ones(()), {"x": (x64, x64), "weight": (zeros, zeros), "bias": (zeros, zeros)}
+    with np.errstate(all="ignore"):
+        if b.op == "layer_norm_backward":
+            _, mean, rstd = reference.layer_norm(x64, axis=b.axis)
+            cond = conditioning(mean, rstd)
+        else:
+            _, rstd = reference.rms_norm(x64, eps=MACHINE_EPS[b.dtype], axis=b.axis)
+            mean, cond = np.zeros_like(rstd), np.ones_like(rstd)
+        xhat = (x64 - mean) * rstd
+    dims = [1] * x64.ndim
+    for a in b.axis:
+        dims[a] = x64.shape[a]
+    w = kwargs["weight"]
+    g = dy64 * (1.0 if w is None else as_float64(w).reshape(dims))
+    batch = tuple(a for a in range(x64.ndim) if a not in b.axis)
+
+    def row_mean(a: np.ndarray) -> np.ndarray:
+        return a.mean(axis=b.axis, keepdims=True)
+
+    def column_sum(a: np.ndarray) -> np.ndarray:
+        return a.sum(axis=batch).reshape(norm_shape)
+
+    centre = row_mean(g) if b.op == "layer_norm_backward" else 0.0
+    dx = rstd * (g - centre - xhat * row_mean(g * xhat))
+    dx_scale = rstd * (np.abs(g) + row_mean(np.abs(g)) + np.abs(xhat) * row_mean(np.abs(g * xhat)))
+    return cond, {
+        "x": (dx, dx_scale),
+        "weight": (column_sum(dy64 * xhat), column_sum(np.abs(dy64) * (1.0 + np.abs(xhat)))),
+        "bias": (column_sum(dy64), column_sum(np.abs(dy64))),
+    }
+
+
+def check_backward_result(b: Backward, kwargs: dict[str, Any], result: tuple[Any, ...]) -> None:
+    """Kinds of the gradients (None where not asked for) and their values."""
+    known = ("x", "weight", "bias") if b.op == "layer_norm_backward" else ("x", "weight")
+    assert len(result) == len(known)
+    x = kwargs["x"]
+    norm_shape = tuple(b.shape[a] for a in b.axis)
+    param_dtype = dtype_name(x if kwargs["weight"] is None else kwargs["weight"])
+    cond, wanted = expected_gradients(b, kwargs)
+    rows = math.prod(b.shape) // max(1, math.prod(norm_shape))
+    repro = f"Rerun with: {b!r}"
+    for name, got in zip(known, result, strict=True):
+        if name not in kwargs["needs"]:
+            assert got is None, f"d{name} was not asked for"
+            continue
+        want, scale = wanted[name]
+        shape, dtype = (b.shape, b.dtype) if name == "x" else (norm_shape, param_dtype)
+        assert type(got) is type(x) and tuple(got.shape) == shape and dtype_name(got) == dtype
+        if name == "x":
+            assert_close(
+                as_float64(got),
+                want,
+                b.dtype,
+                cond,
+                what="y",
+                cols=max(math.prod(norm_shape), 1),
+                scale=scale,
+                repro=repro,
+            )
+        else:  # a column sum over rows: its error grows with the number of rows
+            assert_close(
+                as_float64(got),
+                want,
+                dtype,
+                float(np.max(cond, initial=1.0)),
+                what="y",
+                cols=max(rows, 1),
+                scale=scale,
+                repro=repro,
+            )

@@ -1,0 +1,294 @@
+"""Hypothesis strategies of the API fuzzers: calls of the four public ops (fuzz_model.py), each
+argument drawn from valid values or, for at most two arguments, invalid ones.
+
+:func:`forward_calls` draws ``layer_norm``/``rms_norm`` calls, :func:`backward_calls` their
+backward ops'; :data:`INPUT_CLASSES` names the edges of the contract the forward strategy must
+reach (each found a silent wrong answer once), and :func:`input_classes` tells them.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any, Final
+
+import numpy as np
+import torch
+from fuzz_model import FLOATS, HALF, Backward, Forward, Param
+from hypothesis import strategies as st
+
+from normlab.constants import MACHINE_EPS
+from normlab.testing import conversions
+
+NOT_FLOATS: Final = {
+    "numpy": ("int32", "bool", "complex64", "longdouble", "object", "datetime64[s]"),
+    "torch": ("int32", "bool", "complex64", "uint8"),
+}
+LAYOUTS: Final = {
+    "numpy": (
+        *(layout for layout in conversions.LAYOUTS if layout != "padded"),
+        *conversions.NUMPY_LAYOUTS,
+    ),
+    "torch": ("c", "fortran", "transposed", "sliced", "broadcast"),
+}
+DIMS: Final = (0, 1, 2, 3, 5, 8, 17)
+MAX_ELEMENTS: Final = 2000
+#: Names for ``backend=``: built-ins (cupy has no device here), unknown names, not names at all.
+NAMED: Final = ("numpy", "numba", "torch")
+BACKEND_NAMES: Final = (None, *NAMED, "cupy", "no_such_backend", 3)
+PREFERENCES: Final = (None, "numpy", "numba", "torch", "cupy")
+
+#: The arguments a drawn call may get wrong (at most two per call; most calls get none wrong).
+ARGUMENTS: Final = (
+    "x",
+    "rank",
+    "normalized_shape",
+    "axis",
+    "weight",
+    "bias",
+    "eps",
+    "return_stats",
+    "out",
+    "backend",
+)
+VALID_EPS: Final = (
+    "default",
+    1e-5,
+    0.0,
+    0,
+    1e-12,
+    1,
+    0.5,
+    1e30,
+    1e300,
+    1e-30,
+    1e-40,  # a float32 subnormal
+    1e-80,  # 1/sqrt(eps) overflows float32
+    5e-324,  # the smallest float64 subnormal
+    -0.0,
+    np.float32(1e-3),
+    np.float64(1e-6),
+    np.float16(1e-2),
+    Fraction(1, 1000),
+)
+INVALID_EPS: Final = (
+    -1e-5,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    True,
+    None,
+    "1e-5",
+    Decimal("1e-5"),
+    1j,
+    np.bool_(False),
+    -(10**30),
+    10**400,  # an int too large for a float
+)
+VALID_OUT: Final = (None, None, "fresh", "fortran", "sliced", "swapped", "x", "tuple")
+INVALID_OUT: Final = (
+    "wrong_shape",
+    "wrong_dtype",
+    "other_family",
+    "readonly",
+    "broadcast",
+    "overlap",
+    "aliases_weight",  # thrice: few calls have an out, a weight and elements
+    "aliases_weight",
+    "aliases_weight",
+    "list",
+    "masked",
+    "bad_tuple",
+)
+VALID_PARAMS: Final = (None, None, "ok", "ok", "float32", "strided", "broadcast")
+INVALID_PARAMS: Final = ("wrong_shape", "wrong_dtype", "other_family", "list")
+
+
+def _shape(draw: st.DrawFn, rank_ok: bool) -> tuple[int, ...]:
+    shape: list[int] = []
+    for _ in range(draw(st.integers(1, 4)) if rank_ok else 0):
+        most = MAX_ELEMENTS // max(1, math.prod(shape))
+        shape.append(draw(st.sampled_from([d for d in DIMS if d <= most])))
+    return tuple(shape)
+
+
+def _signed(draw: st.DrawFn, axes: list[int], ndim: int) -> int | tuple[int, ...]:
+    """``axes`` written with some negative, as an int when there is one and a coin says so."""
+    signed = [a - ndim if draw(st.booleans()) else a for a in axes]
+    return signed[0] if len(signed) == 1 and draw(st.booleans()) else tuple(signed)
+
+
+def _normalized_shape(draw: st.DrawFn, shape: tuple[int, ...], valid: bool) -> Any:
+    """None or trailing dims in any accepted form; or (not valid) ints that may not match, or
+    values of the wrong type."""
+    ndim = len(shape)
+    if not valid:
+        ints = st.integers(-6, 20)
+        wrong = st.sampled_from(["4", 4.0, True, (2.0,), [None], {3}, (), [], np.array([3])])
+        return draw(st.one_of(ints, st.lists(ints, max_size=4).map(tuple), wrong))
+    if not ndim or draw(st.booleans()):
+        return None
+    k = draw(st.integers(1, ndim))
+    dims = shape[ndim - k :]
+    form = draw(st.sampled_from(["tuple", "list", "int", "size", "np"]))
+    if form in ("int", "np") and k == 1:
+        return dims[0] if form == "int" else np.int64(dims[0])
+    return {"list": list(dims), "size": torch.Size(dims)}.get(form, dims)
+
+
+def _axis(draw: st.DrawFn, shape: tuple[int, ...], normalized_shape: Any, valid: bool) -> Any:
+    """None or axes that agree with ``normalized_shape``; or (not valid) any ints or values."""
+    ndim = len(shape)
+    if not valid:
+        ints = st.integers(-6, 6)
+        wrong = st.sampled_from([1.0, True, (), "0", [None]])
+        return draw(st.one_of(ints, st.lists(ints, max_size=4).map(tuple), wrong))
+    if not ndim or draw(st.booleans()):
+        return None
+    if normalized_shape is not None:
+        k = len(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else 1
+        return _signed(draw, list(range(ndim - k, ndim)), ndim)
+    chosen = draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=ndim, unique=True))
+    return _signed(draw, chosen, ndim)
+
+
+def _param(draw: st.DrawFn, family: str, dtype: str, valid: bool) -> Param | None:
+    kinds = list(VALID_PARAMS if valid else INVALID_PARAMS)
+    if family == "numpy":
+        kinds.append("swapped" if valid else "masked")
+    elif valid:
+        kinds.append("requires_grad")
+    kind = draw(st.sampled_from(kinds))
+    if kind == "float32" and dtype not in HALF:
+        kind = "ok"  # float32 parameters are valid for half x only
+    if kind is None:
+        return None
+    wrong = [d for d in (*FLOATS, "int32") if d not in (dtype, "float32")]
+    return Param(kind, draw(st.sampled_from(wrong)) if kind == "wrong_dtype" else "float32")
+
+
+@st.composite
+def forward_calls(draw: st.DrawFn) -> Forward:
+    """A call with at most two arguments drawn from their invalid values, the rest valid."""
+    wrong = draw(st.sets(st.sampled_from(ARGUMENTS), max_size=2))
+    op = draw(st.sampled_from(["layer_norm", "layer_norm", "rms_norm"]))
+    family = draw(st.sampled_from(["numpy", "torch"]))
+    floats = [*FLOATS] if "x" not in wrong else [*NOT_FLOATS[family], "not_an_array"]
+    dtype = draw(st.sampled_from(floats))
+    shape = _shape(draw, "rank" not in wrong)
+    out = draw(st.sampled_from(INVALID_OUT if "out" in wrong else VALID_OUT))
+    layout = draw(st.sampled_from(LAYOUTS[family]))
+    if (out == "overlap" and not shape) or dtype == "not_an_array":
+        out = None
+    stats_kinds = ["wrong_dtype", "wrong_shape"] if out == "bad_tuple" else [None, "ok"]
+    normalized_shape = _normalized_shape(draw, shape, "normalized_shape" not in wrong)
+    eps_values = (
+        INVALID_EPS if "eps" in wrong else VALID_EPS + ((None,) if op == "rms_norm" else ())
+    )
+    kinds = ["normal", "offset", "integers", "tiny", "spread", "huge", "minute", "constant"]
+    backend = draw(
+        st.sampled_from(
+            ["cupy", "no_such_backend", 3, ["numpy"]]
+            if "backend" in wrong
+            else [None, None, *NAMED]
+        )
+    )
+    preference = draw(st.sampled_from(PREFERENCES))
+    values = draw(st.sampled_from(kinds))
+    if values in ("minute", "constant") and "eps" not in wrong:  # eps = 0 as often as not
+        eps_values = (0.0,) * len(eps_values) + eps_values
+    return Forward(
+        op=op,
+        family=family,
+        dtype=dtype,
+        shape=shape,
+        layout=layout,
+        values=values,
+        normalized_shape=normalized_shape,
+        axis=_axis(draw, shape, normalized_shape, "axis" not in wrong),
+        weight=_param(draw, family, dtype, "weight" not in wrong),
+        bias=_param(draw, family, dtype, "bias" not in wrong) if op == "layer_norm" else None,
+        eps=draw(st.sampled_from(eps_values)),
+        return_stats=draw(
+            st.sampled_from([1, None, np.True_] if "return_stats" in wrong else [False, True])
+        ),
+        out="tuple" if out == "bad_tuple" else out,
+        out_stats=(draw(st.sampled_from(stats_kinds)), draw(st.sampled_from(stats_kinds))),
+        backend=backend,
+        preference=preference,
+        requires_grad=family == "torch" and dtype in FLOATS and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+#: The input classes at the edges of the contract that the fuzzer must generate (each found a
+#: silent wrong answer once); their counts are asserted, see test_the_fuzzer_generates_...
+INPUT_CLASSES: Final = (
+    "huge float64 rows",
+    "minute rows, eps too small to hide underflow",
+    "constant rows, eps = 0",
+    "out sharing memory with weight",
+)
+
+
+def input_classes(f: Forward, kwargs: dict[str, Any]) -> list[str]:
+    """The :data:`INPUT_CLASSES` the call ``f`` (built as ``kwargs``) belongs to."""
+    if f.dtype not in FLOATS or not f.shape:
+        return []
+    eps = kwargs.get("eps", 1e-5 if f.op == "layer_norm" else MACHINE_EPS[f.dtype])
+    try:
+        eps_value = float(eps)
+    except (TypeError, ValueError, OverflowError):
+        return []
+    classes = []
+    if f.values == "huge" and f.dtype == "float64":
+        classes.append(INPUT_CLASSES[0])
+    hidden_below = {"float32": 1e-31, "float64": 1e-292}.get(f.dtype)
+    if f.values == "minute" and hidden_below is not None and 0 <= eps_value < hidden_below:
+        classes.append(INPUT_CLASSES[1])
+    if f.values == "constant" and eps_value == 0:
+        classes.append(INPUT_CLASSES[2])
+    if f.aliases_weight(f.norm_shape()):
+        classes.append(INPUT_CLASSES[3])
+    return classes
+
+
+@st.composite
+def backward_calls(draw: st.DrawFn) -> Backward:
+    op = draw(st.sampled_from(["layer_norm_backward", "rms_norm_backward"]))
+    family = draw(st.sampled_from(["numpy", "torch"]))
+    shape = draw(st.lists(st.sampled_from(DIMS[:6]), min_size=1, max_size=3).map(tuple))
+    ndim = len(shape)
+    axis = tuple(
+        sorted(draw(st.lists(st.integers(0, ndim - 1), min_size=1, max_size=ndim, unique=True)))
+    )
+    names = ["dy", "weight", "rstd", "axis"] + (["mean"] if op == "layer_norm_backward" else [])
+    hows = ["dtype", "shape", "family", "strided", "none", "list"]
+    broken = draw(
+        st.lists(
+            st.tuples(st.sampled_from(names), st.sampled_from(hows)),
+            max_size=2,
+            unique_by=lambda t: t[0],
+        )
+    )
+    broken = [(n, "axis" if n == "axis" else h) for n, h in broken]
+    known = ["x", "weight", "bias"] if op == "layer_norm_backward" else ["x", "weight"]
+    needs = draw(
+        st.one_of(
+            st.lists(st.sampled_from(known), unique=True).map(tuple),
+            st.sampled_from([("x", "gamma"), "x", None, ["x"], {"weight"}]),
+        )
+    )
+    return Backward(
+        op=op,
+        family=family,
+        dtype=draw(st.sampled_from(FLOATS)),
+        shape=shape,
+        axis=axis,
+        weight=draw(st.sampled_from([None, "x", "float32"])),
+        broken=tuple(broken),
+        needs=needs,
+        backend=draw(st.sampled_from(BACKEND_NAMES)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )

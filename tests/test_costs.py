@@ -1,0 +1,161 @@
+"""Choice by cost: backends that declare cost models are compared by estimate, per size bucket;
+a calibration file overrides the records' models; zero-copy families are eligible by default.
+
+The fake backends serve the made-up library ``fakelib`` (see plugins_for_tests), so no built-in
+backend takes part.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from plugins_for_tests import FakeArray, record
+
+import normlab
+from normlab import costs, dispatch, spec
+from normlab.hookspecs import CostModel, Plan, cost_table
+
+Register = Callable[..., ModuleType]
+pytestmark = pytest.mark.usefixtures("no_preference")
+
+#: ``quick`` costs little per call and streams slowly; ``wide`` the other way round: quick wins
+#: below about 64 KiB of float32 x, wide above.
+QUICK = CostModel(fixed_us=2.0, bytes_per_us={"float32": 1000.0})
+WIDE = CostModel(fixed_us=20.0, bytes_per_us={"float32": 10000.0})
+
+
+@pytest.fixture(autouse=True)
+def own_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty cache directory: no calibration file unless a test writes one."""
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(tmp_path))
+    costs.reload()
+    dispatch.clear_caches()
+    yield tmp_path / "calibration" / costs.CALIBRATION_FILE
+    costs.reload()
+    dispatch.clear_caches()
+
+
+def _fake(rows: int, cols: int = 256) -> FakeArray:
+    return FakeArray(np.ones((rows, cols), np.float32))
+
+
+def _plan(x: Any) -> Plan:
+    return spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, None)
+
+
+def _chosen(x: Any) -> str:
+    match = re.search(r"^  chosen: (\w+) ", normlab.explain(x), re.MULTILINE)
+    assert match
+    return match.group(1)
+
+
+def _modelled(name: str, model: CostModel, priority: int = 0, **fields: Any) -> Any:
+    return record(name, priority=priority, costs={"layer_norm": model}, **fields)
+
+
+def test_the_cheaper_backend_wins_by_size(register: Register) -> None:
+    register(_modelled("quick", QUICK, priority=1), _modelled("wide", WIDE, priority=2))
+    assert _chosen(_fake(1)) == "quick"  # 1 KiB: fixed cost dominates
+    assert _chosen(_fake(4096)) == "wide"  # 4 MiB: bandwidth dominates
+    text = normlab.explain(_fake(1))
+    assert "quick (priority 1): chosen, lowest estimated cost, estimated" in text
+    assert "wide (priority 2): able to serve, higher estimated cost, estimated" in text
+    assert isinstance(normlab.layer_norm(_fake(4096)), FakeArray)
+
+
+def test_the_choice_is_cached_per_size_bucket(register: Register) -> None:
+    register(_modelled("quick", QUICK), _modelled("wide", WIDE))
+    assert dispatch.choose(_plan(_fake(1))).backend.name == "quick"
+    assert dispatch.choose(_plan(_fake(4096))).backend.name == "wide"
+    # 2 and 3 rows of 256 float32 (2 KiB, 3 KiB) share a bucket, hence a cached choice
+    assert costs.bucket(_plan(_fake(2))) == costs.bucket(_plan(_fake(3)))
+    assert costs.bucket(_plan(_fake(4))) == costs.bucket(_plan(_fake(2))) + 1
+    assert dispatch.choose(_plan(_fake(3))) is dispatch.choose(_plan(_fake(2)))
+
+
+def test_a_top_priority_backend_without_a_model_decides_by_priority(register: Register) -> None:
+    register(record("plain", priority=50), _modelled("quick", QUICK), _modelled("wide", WIDE))
+    assert _chosen(_fake(1)) == "plain"
+    assert _chosen(_fake(4096)) == "plain"
+    assert "plain (priority 50): chosen, highest priority able to serve" in normlab.explain(
+        _fake(1)
+    )
+
+
+def test_a_model_without_the_dtype_gives_no_estimate(register: Register) -> None:
+    half_only = CostModel(fixed_us=0.1, bytes_per_us={"float16": 1e6})
+    register(_modelled("halfish", half_only, priority=5), _modelled("wide", WIDE))
+    assert _chosen(_fake(1)) == "halfish"  # no float32 estimate: priority decides
+
+
+def test_a_calibration_file_overrides_the_records(
+    register: Register, own_calibration: Path
+) -> None:
+    register(_modelled("quick", QUICK), _modelled("wide", WIDE))
+    assert _chosen(_fake(1)) == "quick"
+    own_calibration.parent.mkdir(parents=True)
+    slow_quick = {"fixed_us": 500.0, "bytes_per_us": {"float32": 1000.0}}
+    own_calibration.write_text(json.dumps({"backends": {"quick": {"layer_norm": slow_quick}}}))
+    costs.reload()
+    dispatch.clear_caches()
+    assert _chosen(_fake(1)) == "wide"
+
+
+def test_a_malformed_calibration_file_is_ignored_with_a_warning(
+    register: Register, own_calibration: Path
+) -> None:
+    register(_modelled("quick", QUICK), _modelled("wide", WIDE))
+    own_calibration.parent.mkdir(parents=True)
+    own_calibration.write_text('{"backends": {"quick": {"layer_norm": {"fixed_us": -1}}}}')
+    with pytest.warns(
+        normlab.NormlabWarning, match="ignoring the calibration .*run 'normlab calibrate'"
+    ):
+        assert _chosen(_fake(1)) == "quick"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {},
+        {"backends": {"b": {"layer_norm": {"fixed_us": 1.0}}}},
+        {"backends": {"b": {"layer_norm": {"fixed_us": float("nan"), "bytes_per_us": {}}}}},
+        {"backends": {"b": {"layer_norm": {"fixed_us": 1.0, "bytes_per_us": {"float32": 0}}}}},
+        {"backends": {"b": {"layer_norm": {"fixed_us": "1", "bytes_per_us": {}}}}},
+    ],
+)
+def test_cost_tables_are_checked(data: Any) -> None:
+    with pytest.raises(ValueError):
+        cost_table(data)
+
+
+def test_zero_copy_families_are_eligible_by_default_explicit_ones_only_when_named(
+    register: Register,
+) -> None:
+    x = np.ones((2, 8), np.float32)
+    register(
+        record(
+            "borrower",
+            priority=99,
+            families=frozenset({"fakelib"}),
+            zero_copy_families=frozenset({"numpy"}),
+        ),
+        record(
+            "asked",
+            priority=98,
+            families=frozenset({"fakelib"}),
+            explicit_families=frozenset({"numpy"}),
+        ),
+    )
+    assert _chosen(x) == "borrower"
+    text = normlab.explain(x)
+    assert (
+        "asked (priority 98): serves fakelib arrays, not numpy; it serves numpy arrays only "
+        "when named" in text
+    )
