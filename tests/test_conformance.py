@@ -22,17 +22,8 @@ from normlab.testing import pytest_plugin
 from normlab.testing.tolerances import assert_close
 
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
-#: catch a failure: once one is fixed, test_backend_conforms asks to remove it. torch: through
-#: autograd, half x with a float32 weight gets torch's own CPU backward, whose dweight is off
-#: by up to 0.19 (bfloat16) and 0.023 (float16) where the suite allows 0.013 to 0.022 (rows of
-#: conditioning 400 to 750); the functional backward, the backend's own, passes.
-KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {
-    "torch": (
-        "test_autograd_gradients[torch-layer_norm-float16-1000]",
-        "test_autograd_gradients[torch-layer_norm-float16-4097]",
-        "test_autograd_gradients[torch-layer_norm-bfloat16-",
-    ),
-}
+#: catch a failure: once one is fixed, test_backend_conforms asks to remove it. None today.
+KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {}
 
 
 class Outcomes:

@@ -84,6 +84,11 @@ def layer_norm(
     on_cpu = _checked(x)
     if not plan.return_stats and not on_cpu:
         return torch.nn.functional.layer_norm(x, shape, weight, bias, plan.eps), None, None
+    given = x
+    if on_cpu and plan.requires_grad and _mixed(x, weight, bias):
+        # torch's CPU backward of half x with float32 parameters sums dweight and dbias in the
+        # half dtype (errors near 1% of their scale): normalize in float32, round y once
+        x = x.float()
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, plan.eps)
     stats_dtype = _TORCH_DTYPES[plan.stats_dtype]
     if plan.return_stats and mean.dtype != stats_dtype:  # a half-precision result: recompute
@@ -98,9 +103,17 @@ def layer_norm(
                 kept = torch.native_layer_norm(x[good], shape, weight, bias, plan.eps)[0]
                 y = torch.zeros_like(y).index_put((good,), kept)
             y, (mean, rstd) = _repair(x, weight, bias, plan, _indices(bad), y, (mean, rstd))
+    y = y.to(given.dtype)
     if not plan.return_stats:
         return y, None, None
     return y, mean.reshape(plan.rows), rstd.reshape(plan.rows)
+
+
+def _mixed(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Half-precision ``x`` with a float32 weight or bias."""
+    return x.dtype in (torch.float16, torch.bfloat16) and any(
+        p is not None and p.dtype == torch.float32 for p in (weight, bias)
+    )
 
 
 def rms_norm(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from normlab import arrays, registry
+from normlab import arrays, dispatch, registry
 from normlab.constants import FLOAT_DTYPES
 from normlab.testing.conversions import (
     LAYOUTS,
@@ -110,6 +110,16 @@ class Subject:
             pytest.skip(
                 f"backend {self.name!r} does not claim {capability!r} (claims: "
                 f"{claimed}); {consequence}"
+            )
+
+    def require_graph(self, op: str) -> None:
+        """Skip unless torch tensors that require grad keep their graph through this backend's
+        ``op``: it records graphs itself, or normlab runs it through its custom ops
+        (:func:`normlab.dispatch.keeps_graph`)."""
+        if not dispatch.keeps_graph(registry.get(self.name), op):
+            pytest.skip(
+                f"backend {self.name!r} neither records autograd graphs nor provides "
+                f"{op}_backward; tensors that require grad are not served"
             )
 
     def require_values(self, values: str) -> None:

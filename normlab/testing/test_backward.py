@@ -150,13 +150,13 @@ def test_backward_matches_reference(
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_autograd_gradients(normlab_subject: Subject, op: str, dtype: str, cols: int) -> None:
-    """Tensors that require grad, where the record claims ``"autograd"``: ``y.backward(dy)``
+    """Tensors that require grad, where the backend keeps the graph: ``y.backward(dy)``
     after ``op(x, weight, bias, backend=NAME)`` gives the float64 oracle's dx, dweight, dbias
     (CUDA tensors through a CUDA backend with ``--normlab-arrays torch``)."""
     s = normlab_subject
     s.require_op(op)
     s.require_dtype(dtype)
-    s.require_capability("autograd", "tensors that require grad are not served")
+    s.require_graph(op)
     if s.family != "torch":
         pytest.skip(f"autograd records torch tensors; backend {s.name!r} is tested with {s.family}")
     param = _param(dtype)
