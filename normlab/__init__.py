@@ -23,7 +23,7 @@ from normlab.precompile import warmup
 from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
 from normlab.spec import Plan
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "ArgumentError",

@@ -1,32 +1,54 @@
-"""What kind of array is this? Family, device and layout, without importing any array library.
+"""What kind of array is this, and the few things the core does to one, per array family.
 
 An array's *family* is the library it belongs to (``"numpy"``, ``"torch"``, ``"cupy"``, ``"jax"``,
 ``"dask"``, or the top-level module name of anything else). It is read from the module names on
 the array type's MRO, so a NumPy subclass is still ``"numpy"`` and no library is ever imported
 here. Each array type gets one :class:`Inspector`, cached per type, which reads the metadata that
-validation and dispatch need: a cheap hashable ``key`` for the call cache, and a full
-:class:`ArrayInfo` on a cache miss.
+validation and dispatch need (a cheap hashable ``key`` for the call cache, and a full
+:class:`ArrayInfo` on a cache miss) and performs the family's layout operations for the core
+(:func:`permute`, :func:`reshape`, :func:`contiguous`, :func:`copy_into`, :func:`mark_written`,
+:func:`astype`), each in the library's own terms.
+
+Where an inspector comes from, for a type's family: the core's own for NumPy, PyTorch and CuPy;
+else one that a backend record supplies (``BackendRecord.inspector``, looked up through
+:func:`use_supplied_inspectors`, which the registry installs); else the built-in fallbacks for JAX
+and Dask (for plugin versions that supply none); else :class:`ArrayApiInspector` for a type that
+exposes ``__array_namespace__``; else the generic :class:`Inspector`.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, NamedTuple
 
 from normlab.errors import DtypeError, LayoutError
 
 __all__ = [
+    "ArrayApiInspector",
     "ArrayInfo",
     "Inspector",
+    "array_api_families",
+    "astype",
     "comparable_devices",
+    "contiguous",
+    "copy_into",
     "family_of",
+    "forget_inspectors",
     "info",
     "inspector",
     "is_array",
+    "mark_written",
+    "permute",
+    "reshape",
+    "use_supplied_inspectors",
 ]
 
 KNOWN_FAMILIES: Final = ("numpy", "torch", "cupy", "jax", "dask")
+#: The families whose inspector is the core's own: a record cannot supply one for them.
+CORE_FAMILIES: Final = frozenset({"numpy", "torch", "cupy"})
 _MODULE_ALIASES: Final = {"jaxlib": "jax"}
 _MAX_TYPES: Final = 512
 
@@ -77,7 +99,13 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class Inspector:
-    """Reads metadata of arrays of one type; subclasses know one family each."""
+    """Reads metadata of arrays of one type and performs the core's layout operations on them;
+    subclasses know one family each. A plugin may subclass it for its family and name the
+    subclass in its record (``BackendRecord.inspector``); the methods below are what it may
+    override, each with the contract stated here.
+
+    The operations run only on arrays of this inspector's type, whose library is imported.
+    """
 
     family: str = "unknown"
 
@@ -126,11 +154,42 @@ class Inspector:
         except Exception:  # a library array_api_compat does not know: assume host memory
             return "cpu"
 
+    # The family operations: what layout and the backward do to a caller's arrays.
+
+    def permute(self, a: Any, order: tuple[int, ...]) -> Any:
+        """``a`` with its axes in ``order`` (a view where the library has views)."""
+        import array_api_compat
+
+        return array_api_compat.array_namespace(a).permute_dims(a, order)
+
+    def reshape(self, a: Any, shape: tuple[int, ...]) -> Any:
+        """``a`` with shape ``shape`` (a view where its layout allows)."""
+        return a.reshape(shape)
+
+    def contiguous(self, a: Any) -> Any:
+        """``a`` in C order, in native byte order (``a`` itself when it already is, or when the
+        library has no strided memory)."""
+        return a
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        """Write ``src``'s elements into ``dst`` (same shape) in place."""
+        dst[...] = src
+
+    def mark_written(self, a: Any) -> None:
+        """Tell the library that a backend wrote ``a`` through its memory, behind its back.
+        Nothing to tell by default."""
+
+    def astype(self, a: Any, dtype: Any) -> Any:
+        """``a`` converted to ``dtype`` (a dtype object of the library; ``a`` when it has it)."""
+        return a.astype(dtype)
+
 
 def _device_kind(device: str) -> str:
     lowered = device.lower()
     if "cuda" in lowered or "gpu" in lowered:
         return "cuda"
+    if "cpu" in lowered:
+        return "cpu"
     return lowered.split(":")[0] if lowered else "cpu"
 
 
@@ -174,6 +233,17 @@ class NumpyInspector(Inspector):
     def memory(self, x: Any) -> Memory:
         return Memory(self.address(x), x.shape, x.strides, x.itemsize)
 
+    def permute(self, a: Any, order: tuple[int, ...]) -> Any:
+        return a.transpose(order)
+
+    def contiguous(self, a: Any) -> Any:
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+        return sys.modules["numpy"].ascontiguousarray(a)
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        sys.modules["numpy"].copyto(dst, src)
+
 
 class TorchInspector(Inspector):
     def key(self, x: Any) -> tuple[Any, ...]:
@@ -212,6 +282,24 @@ class TorchInspector(Inspector):
         size = x.element_size()
         return Memory(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), size)
 
+    def permute(self, a: Any, order: tuple[int, ...]) -> Any:
+        return a.permute(order)
+
+    def contiguous(self, a: Any) -> Any:
+        return a.contiguous()
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
+    def mark_written(self, a: Any) -> None:
+        """The tensor's version counter is bumped, as torch's own in-place operations do, so
+        that a graph which saved ``a`` for its backward refuses the modified values instead of
+        using them. (Copies into ``out`` made with :meth:`copy_into` count already.)"""
+        sys.modules["torch"].autograd.graph.increment_version(a)
+
+    def astype(self, a: Any, dtype: Any) -> Any:
+        return a.to(dtype)
+
 
 class CupyInspector(Inspector):
     def key(self, x: Any) -> tuple[Any, ...]:
@@ -240,10 +328,21 @@ class CupyInspector(Inspector):
     def memory(self, x: Any) -> Memory:
         return Memory(self.address(x), x.shape, x.strides, x.itemsize)
 
+    def permute(self, a: Any, order: tuple[int, ...]) -> Any:
+        return a.transpose(order)
+
+    def contiguous(self, a: Any) -> Any:
+        return sys.modules["cupy"].ascontiguousarray(a)
+
+    def copy_into(self, dst: Any, src: Any) -> None:
+        sys.modules["cupy"].copyto(dst, src)
+
 
 class JaxInspector(Inspector):
     """JAX arrays: immutable, no strides; a tracer (inside ``jit``/``grad``/``vmap``) has no
-    concrete device and is named ``"<kind>:traced"``, a sharded array ``"<kind>:sharded"``."""
+    concrete device and is named ``"<kind>:traced"``, a sharded array ``"<kind>:sharded"``.
+
+    The fallback for normlab-jax versions whose record supplies no inspector (before 0.2)."""
 
     def key(self, x: Any) -> tuple[Any, ...]:
         return (x.dtype, x.shape, self._device(x))
@@ -276,7 +375,9 @@ class JaxInspector(Inspector):
 
 
 class DaskInspector(Inspector):
-    """Dask arrays: lazy, immutable; the device is that of the chunk type (``_meta``)."""
+    """Dask arrays: lazy, immutable; the device is that of the chunk type (``_meta``).
+
+    The fallback for normlab-dask versions whose record supplies no inspector (before 0.2)."""
 
     def key(self, x: Any) -> tuple[Any, ...]:
         return (x.dtype, x.shape, type(getattr(x, "_meta", None)))
@@ -298,6 +399,94 @@ class DaskInspector(Inspector):
         )
 
 
+class ArrayApiInspector(Inspector):
+    """Arrays of any other library that exposes the Array API standard (``__array_namespace__``):
+    dtypes named as the namespace names them (``float64``, not ``array_api_strict.float64``),
+    the device named as the library names it, and every layout operation done with the
+    namespace's own functions (such an array need have no ``reshape`` or ``astype`` method).
+    """
+
+    def key(self, x: Any) -> tuple[Any, ...]:
+        return (x.dtype, tuple(x.shape), x.device)
+
+    def info(self, x: Any) -> ArrayInfo:
+        xp = x.__array_namespace__()
+        device = _array_api_device(x.device)
+        return ArrayInfo(
+            family=self.family,
+            type_name=self.type_name,
+            dtype=_array_api_dtype_name(xp, x.dtype),
+            shape=tuple(int(n) for n in x.shape),
+            strides=None,
+            itemsize=_array_api_itemsize(xp, x.dtype),
+            device=device,
+            device_kind=_device_kind(device),
+        )
+
+    def _device(self, x: Any) -> str:
+        return _array_api_device(x.device)
+
+    def permute(self, a: Any, order: tuple[int, ...]) -> Any:
+        return a.__array_namespace__().permute_dims(a, order)
+
+    def reshape(self, a: Any, shape: tuple[int, ...]) -> Any:
+        return a.__array_namespace__().reshape(a, shape)
+
+    def astype(self, a: Any, dtype: Any) -> Any:
+        return a.__array_namespace__().astype(a, dtype)
+
+
+#: The dtype names of the Array API standard, and two that some namespaces add.
+_ARRAY_API_DTYPES: Final = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "complex64",
+    "complex128",
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+)
+
+
+def _array_api_dtype_name(xp: Any, dtype: Any) -> str:
+    """The name under which namespace ``xp`` defines ``dtype`` (``"float64"``); for a dtype
+    it defines under no standard name, its own name without the module prefix."""
+    for name in _ARRAY_API_DTYPES:
+        candidate = getattr(xp, name, None)
+        if candidate is not None and dtype == candidate:
+            return name
+    return _dtype_name(dtype).rpartition(".")[2]
+
+
+def _array_api_itemsize(xp: Any, dtype: Any) -> int:
+    """Bytes per element of ``dtype``, from the namespace's ``finfo``/``iinfo`` (0 when
+    neither knows it, as for ``bool``)."""
+    for kind in (xp.finfo, xp.iinfo):
+        try:
+            return int(kind(dtype).bits) // 8
+        except Exception:  # not a dtype of this kind
+            continue
+    return 0
+
+
+def _array_api_device(device: Any) -> str:
+    """A device as the library names it: ``array_api_strict.Device('CPU_DEVICE')`` is
+    ``"CPU_DEVICE"``; a plain name (``"cuda:0"``) stays as it is."""
+    text = str(device)
+    _, quote, rest = text.partition("('")
+    if quote and rest.endswith("')"):
+        return rest[:-2]
+    return text
+
+
 def _platform_kind(platform: str) -> str:
     return "cuda" if platform in ("gpu", "cuda", "rocm") else platform
 
@@ -311,10 +500,13 @@ def comparable_devices(a: str, b: str) -> bool:
     return a.split(":")[0] == b.split(":")[0] and (a.endswith(unknown) or b.endswith(unknown))
 
 
-_INSPECTORS: Final[dict[str, type[Inspector]]] = {
+_CORE_INSPECTORS: Final[dict[str, type[Inspector]]] = {
     "numpy": NumpyInspector,
     "torch": TorchInspector,
     "cupy": CupyInspector,
+}
+#: Used while a family's plugin supplies no inspector of its own (older plugin versions).
+_FALLBACK_INSPECTORS: Final[dict[str, type[Inspector]]] = {
     "jax": JaxInspector,
     "dask": DaskInspector,
 }
@@ -340,6 +532,47 @@ def family_of(x: Any) -> str:
 
 
 _by_type: dict[type, Inspector] = {}
+#: The families read through :class:`ArrayApiInspector` so far (replaced, never mutated: read
+#: by dispatch while another thread may add one).
+_array_api_families: frozenset[str] = frozenset()
+
+
+def _no_supplied_inspector(family: str) -> type[Inspector] | None:
+    return None
+
+
+_supplied: Callable[[str], type[Inspector] | None] = _no_supplied_inspector
+
+
+def use_supplied_inspectors(lookup: Callable[[str], type[Inspector] | None]) -> None:
+    """Install ``lookup(family)``: the :class:`Inspector` subclass a backend record supplies for
+    ``family``, or ``None``. The registry installs it (this module imports nothing above it);
+    it is asked once per array type of a family that is not NumPy, PyTorch or CuPy."""
+    global _supplied
+    _supplied = lookup
+    forget_inspectors()
+
+
+def forget_inspectors() -> None:
+    """Forget every cached inspector (plugins came or went: a family's inspector may change)."""
+    _by_type.clear()
+
+
+def _inspector_class(array_type: type, family: str) -> type[Inspector]:
+    core = _CORE_INSPECTORS.get(family)
+    if core is not None:
+        return core
+    supplied = _supplied(family)
+    if supplied is not None:
+        return supplied
+    fallback = _FALLBACK_INSPECTORS.get(family)
+    if fallback is not None:
+        return fallback
+    if hasattr(array_type, "__array_namespace__"):
+        global _array_api_families
+        _array_api_families = _array_api_families | {family}
+        return ArrayApiInspector
+    return Inspector
 
 
 def inspector(array_type: type) -> Inspector:
@@ -347,11 +580,59 @@ def inspector(array_type: type) -> Inspector:
     found = _by_type.get(array_type)
     if found is None:
         family = _family_of_type(array_type)
-        found = _INSPECTORS.get(family, Inspector)(array_type, family)
+        found = _inspector_class(array_type, family)(array_type, family)
         if len(_by_type) >= _MAX_TYPES:
             _by_type.clear()
         _by_type[array_type] = found
     return found
+
+
+def array_api_families() -> frozenset[str]:
+    """The families met so far whose arrays are read through the Array API
+    (:class:`ArrayApiInspector`): no inspector of their own, ``__array_namespace__`` exposed."""
+    return _array_api_families
+
+
+# The family operations, on any array (its inspector performs them).
+
+
+def _of(a: Any) -> Inspector:
+    """``a``'s inspector: :func:`inspector` without its call on a cached type (the family
+    operations run several times per call)."""
+    try:
+        return _by_type[type(a)]
+    except KeyError:
+        return inspector(type(a))
+
+
+def permute(a: Any, order: tuple[int, ...]) -> Any:
+    """``a`` with its axes in ``order``; see :meth:`Inspector.permute`."""
+    return _of(a).permute(a, order)
+
+
+def reshape(a: Any, shape: tuple[int, ...]) -> Any:
+    """``a`` with shape ``shape``; see :meth:`Inspector.reshape`."""
+    return _of(a).reshape(a, shape)
+
+
+def contiguous(a: Any) -> Any:
+    """``a`` in C order and native byte order; see :meth:`Inspector.contiguous`."""
+    return _of(a).contiguous(a)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Write ``src`` into ``dst`` in place; see :meth:`Inspector.copy_into`."""
+    _of(dst).copy_into(dst, src)
+
+
+def mark_written(a: Any) -> None:
+    """Tell ``a``'s library a backend wrote it directly; see :meth:`Inspector.mark_written`."""
+    _of(a).mark_written(a)
+
+
+def astype(a: Any, dtype: Any) -> Any:
+    """``a`` converted to ``dtype``; see :meth:`Inspector.astype`."""
+    return _of(a).astype(a, dtype)
 
 
 def info(x: Any) -> ArrayInfo:

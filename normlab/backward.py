@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from normlab import autograd, dispatch, layout, spec
+from normlab import arrays, autograd, dispatch, layout, spec
 from normlab.ops import BACKWARD_OPS, OPS
 from normlab.spec import Layout, Plan
 
@@ -62,7 +62,7 @@ def run(
     call = spec.validated_backward(op, dy, x, mean, rstd, weight, normalized_shape, axis, needs)
     dx, dweight, dbias = gradients(call, dy, x, mean, rstd, weight, backend)
     like = x if weight is None else weight
-    return dx, _cast(dweight, like, call.plan.family), _cast(dbias, like, call.plan.family)
+    return dx, _cast(dweight, like), _cast(dbias, like)
 
 
 def gradients(
@@ -86,7 +86,7 @@ def gradients(
     copy_x = layout.copy_reason("x", call, choice.backend)
     dy2 = layout.rows(dy, call, copy=copy_dy is not None)
     x2 = layout.rows(x, call, copy=copy_x is not None)
-    rstd1 = rstd.reshape(p.rows)
+    rstd1 = arrays.reshape(rstd, (p.rows,))
     weight1 = layout.flat(weight, p)
     function = choice.backend.function(p.op)
     try:
@@ -95,29 +95,27 @@ def gradients(
             dbias = None
         else:
             dx2, dweight, dbias = function(
-                dy2, x2, mean.reshape(p.rows), rstd1, weight1, plan=p, needs=call.needs
+                dy2, x2, arrays.reshape(mean, (p.rows,)), rstd1, weight1, plan=p, needs=call.needs
             )
     except SystemExit as exc:  # a kernel's sys.exit() must not end the caller
         raise layout.kernel_failure(choice.backend, p.op, exc) from exc
     dx = None
     if dx2 is not None:
-        dx = layout.from_rows(dx2, p.family, call.permuted_shape, call.inverse)
+        dx = layout.from_rows(dx2, call.permuted_shape, call.inverse)
     return dx, _unflat(dweight, p), _unflat(dbias, p)
 
 
 def _unflat(g: Any, p: Plan) -> Any:
     if g is None or len(p.normalized_shape) == 1:
         return g
-    return g.reshape(p.normalized_shape)
+    return arrays.reshape(g, p.normalized_shape)
 
 
-def _cast(g: Any, like: Any, family: str) -> Any:
+def _cast(g: Any, like: Any) -> Any:
     """``g`` in the dtype of the array ``like`` (no copy when it already is)."""
     if g is None or g.dtype == like.dtype:
         return g
-    if family == "torch":
-        return g.to(like.dtype)
-    return g.astype(like.dtype)
+    return arrays.astype(g, like.dtype)
 
 
 def _empty(call: Layout, x: Any) -> tuple[Any, Any, Any]:

@@ -583,6 +583,11 @@ def _batch_cases() -> list[_Case]:
     return [_Case.of(x, weight, bias), _Case.of(x.astype(np.float16), weight, bias)]
 
 
+_UNMAKEABLE: Final = "cannot make"
+#: Outcomes that are no failure: the case is outside what the backend or its family offers.
+_NOT_TRIED: Final = ("does not serve", _UNMAKEABLE)
+
+
 def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
     """Convert ``case`` to the backend's family, call layer_norm through it, convert back."""
     dtype = case.x.dtype.name
@@ -590,6 +595,9 @@ def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
         return _Outcome("—", problem=f"does not serve {dtype}")
     try:
         x = backend.from_numpy(case.x)
+    except Exception as exc:  # its family has no such arrays here (array_api_strict: no float16)
+        return _Outcome("—", problem=f"{_UNMAKEABLE} {dtype} arrays: {type(exc).__name__}: {exc}")
+    try:
         kind = f"{arrays.family_of(x)}.{type(x).__qualname__}"
         w = None if case.weight is None else backend.from_numpy(case.weight, like=x)
         b = None if case.bias is None else backend.from_numpy(case.bias, like=x)
@@ -606,7 +614,7 @@ def _run(backend: Backend, case: _Case, *, timed: bool) -> _Outcome:
 
 def _fits(outcome: _Outcome, case: _Case) -> bool:
     if outcome.problem is not None:
-        return outcome.problem.startswith("does not serve")
+        return outcome.problem.startswith(_NOT_TRIED)
     return outcome.y is not None and _max_error(outcome.y, case) <= case.bound
 
 
@@ -616,7 +624,7 @@ def _max_error(y: np.ndarray, case: _Case) -> float:
 
 def _error_cell(outcome: _Outcome, case: _Case) -> Text:
     if outcome.problem is not None:
-        style = "dim" if outcome.problem.startswith("does not serve") else "red"
+        style = "dim" if outcome.problem.startswith(_NOT_TRIED) else "red"
         return Text(outcome.problem, style=style)
     assert outcome.y is not None
     error = _max_error(outcome.y, case)

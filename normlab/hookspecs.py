@@ -27,6 +27,13 @@ like=None)`` (the conformance suite drives every backend through these two; ``li
 array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
 that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
 
+A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the
+arrays of its ``families``: how normlab reads their metadata (dtype, shape, strides, device) and
+the few layout operations it performs on them (permute, reshape, contiguous, copy into, cast).
+It is imported when normlab first meets an array of such a family. A record listing the family
+:data:`ARRAY_API` serves, besides, the arrays of every library that normlab reads through the
+Array API standard (exposes ``__array_namespace__``, no inspector of its own).
+
 The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
 ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
@@ -46,6 +53,7 @@ from typing import Any, Final
 import pluggy
 
 __all__ = [
+    "ARRAY_API",
     "CAPABILITIES",
     "DEPRECATED_PLAN_FIELDS",
     "PLAN_FIELDS",
@@ -74,6 +82,12 @@ CAPABILITIES: Final = frozenset(
         # provides an op's backward op is run by the core through normlab's custom ops)
     }
 )
+
+
+#: The pseudo-family of a record serving any library's arrays through the Array API standard:
+#: those of a family that exposes ``__array_namespace__`` and that normlab has no inspector for
+#: (``normlab.arrays.array_api_families``); never NumPy, PyTorch, CuPy, JAX or Dask arrays.
+ARRAY_API: Final = "array_api"
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +264,10 @@ class BackendRecord:
             compares the estimates of able backends that both declare one (else priority
             decides).
             ``normlab calibrate`` measures them on the user's machine, overriding these.
+        inspector: the import path (``"pkg.mod:Class"``) of a :class:`normlab.arrays.Inspector`
+            subclass for the arrays of ``families``, imported when normlab first meets one;
+            ``None``: normlab's own (NumPy, PyTorch and CuPy arrays always get normlab's own).
+            Among records supplying one for a family, the highest priority wins.
     """
 
     name: str
@@ -267,6 +285,7 @@ class BackendRecord:
     flushes_subnormals: bool = False
     zero_copy_families: frozenset[str] = frozenset()
     costs: Mapping[str, CostModel] = field(default_factory=dict, hash=False)
+    inspector: str | None = None
 
 
 @hookspec

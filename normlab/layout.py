@@ -10,10 +10,10 @@ normalized axes into another, and the backend reads such strides (its ``strided`
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
+from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.errors import BackendError, NormlabError
 from normlab.registry import Backend
@@ -114,27 +114,7 @@ def route(call: Layout, choice: Choice) -> Route:
 
 
 # --------------------------------------------------------------------------------------------
-# Family-generic array operations (the caller's library is already imported when these run).
-
-
-def _permute(a: Any, family: str, order: tuple[int, ...]) -> Any:
-    if family == "torch":
-        return a.permute(order)
-    if family in ("numpy", "cupy"):
-        return a.transpose(order)
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a).permute_dims(a, order)
-
-
-def _contiguous(a: Any, family: str) -> Any:
-    if family == "torch":
-        return a.contiguous()
-    if family == "numpy":
-        return sys.modules["numpy"].ascontiguousarray(native(a))
-    if family == "cupy":
-        return sys.modules["cupy"].ascontiguousarray(a)
-    return a
+# Rows of the caller's arrays (the family operations live in normlab.arrays).
 
 
 def native(a: Any) -> Any:
@@ -145,43 +125,23 @@ def native(a: Any) -> Any:
     return a.astype(a.dtype.newbyteorder("="))
 
 
-def _copy_into(dst: Any, src: Any, family: str) -> None:
-    if family == "torch":
-        dst.copy_(src)
-    elif family == "numpy":
-        sys.modules["numpy"].copyto(dst, src)
-    elif family == "cupy":
-        sys.modules["cupy"].copyto(dst, src)
-    else:
-        dst[...] = src
-
-
-def _mark_written(a: Any, family: str) -> None:
-    """Tell ``a``'s library that a backend wrote ``a`` through its memory, behind the library's
-    back: a torch tensor's version counter is bumped, as torch's own in-place operations do, so
-    that a graph which saved ``a`` for its backward refuses the modified values instead of
-    using them. (Copies into ``out`` made with the library's own operations count already.)"""
-    if family == "torch":
-        sys.modules["torch"].autograd.graph.increment_version(a)
-
-
 def rows(a: Any, call: Layout, copy: bool) -> Any:
     """The x-like array ``a`` (x, dy, out, …) as the 2-D ``(rows, cols)`` view a backend reads:
     batch axes first; a C-contiguous copy when ``copy`` (see :func:`copy_reason`)."""
     plan = call.plan
     if call.permutation is not None:
-        a = _permute(a, plan.family, call.permutation)
+        a = arrays.permute(a, call.permutation)
     if copy:
-        a = _contiguous(a, plan.family)
-    return a.reshape(plan.rows, plan.cols)
+        a = arrays.contiguous(a)
+    return arrays.reshape(a, (plan.rows, plan.cols))
 
 
-def from_rows(a: Any, family: str, shape: tuple[int, ...], inverse: tuple[int, ...] | None) -> Any:
+def from_rows(a: Any, shape: tuple[int, ...], inverse: tuple[int, ...] | None) -> Any:
     """A backend's 2-D result back in the caller's axes: reshaped to ``shape`` (the permuted
     shape) and permuted by ``inverse``."""
-    a = a.reshape(shape)
+    a = arrays.reshape(a, shape)
     if inverse is not None:
-        a = _permute(a, family, inverse)
+        a = arrays.permute(a, inverse)
     return a
 
 
@@ -189,7 +149,7 @@ def flat(p: Any, plan: Plan) -> Any:
     """A per-feature array (weight, bias) as the 1-D ``(cols,)`` array a backend reads."""
     if p is None or len(plan.normalized_shape) == 1:
         return p
-    return _contiguous(p, plan.family).reshape(plan.cols)
+    return arrays.reshape(arrays.contiguous(p), (plan.cols,))
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,28 +205,24 @@ def _run(
             x2, flat(weight, plan), flat(bias, plan), plan=plan, out=backend_out
         )
         if out_y is not None and backend_out is None:
-            _copy_into(out_y, from_rows(y2, plan.family, r.permuted_shape, r.inverse), plan.family)
+            arrays.copy_into(out_y, from_rows(y2, r.permuted_shape, r.inverse))
             y = out_y
         elif out_y is not None:
-            _mark_written(out_y, plan.family)
+            arrays.mark_written(out_y)
             y = out_y
         else:
-            y = from_rows(y2, plan.family, r.permuted_shape, r.inverse)
+            y = from_rows(y2, r.permuted_shape, r.inverse)
         if not plan.return_stats:
             return y
-        mean = (
-            None
-            if mean1 is None
-            else from_rows(mean1, plan.family, r.stats_permuted_shape, r.inverse)
-        )
-        rstd = from_rows(rstd1, plan.family, r.stats_permuted_shape, r.inverse)
+        mean = None if mean1 is None else from_rows(mean1, r.stats_permuted_shape, r.inverse)
+        rstd = from_rows(rstd1, r.stats_permuted_shape, r.inverse)
     if not plan.return_stats:
         return y
     if out_mean is not None:
-        _copy_into(out_mean, mean, plan.family)
+        arrays.copy_into(out_mean, mean)
         mean = out_mean
     if out_rstd is not None:
-        _copy_into(out_rstd, rstd, plan.family)
+        arrays.copy_into(out_rstd, rstd)
         rstd = out_rstd
     if plan.op == "rms_norm":
         return y, rstd

@@ -31,9 +31,9 @@ from typing import Any, Final
 
 import pluggy
 
-from normlab import hookspecs
+from normlab import arrays, hookspecs
 from normlab.errors import BackendError, NormlabWarning
-from normlab.hookspecs import CAPABILITIES, BackendRecord
+from normlab.hookspecs import ARRAY_API, CAPABILITIES, BackendRecord
 
 __all__ = [
     "Backend",
@@ -89,7 +89,12 @@ class Backend:
 
     @property
     def families(self) -> frozenset[str]:
-        return self.record.families
+        """The families the record lists; with :data:`~normlab.hookspecs.ARRAY_API` among them,
+        also every family met so far that normlab reads through the Array API."""
+        families = self.record.families
+        if ARRAY_API in families:
+            return families | arrays.array_api_families()
+        return families
 
     @property
     def explicit_families(self) -> frozenset[str]:
@@ -175,11 +180,8 @@ class Backend:
         reason; cached dispatch choices are then stale (the registry's generation moves on).
         """
         if self._module is None:
-            path, _, attr = self.record.module.partition(":")
             try:
-                loaded: Any = importlib.import_module(path)
-                for part in attr.split(".") if attr else ():
-                    loaded = getattr(loaded, part)
+                loaded = _import_object(self.record.module)
             except KeyboardInterrupt:
                 # A half-imported library cannot be imported again in this process.
                 self._mark_unavailable(f"{self.name}'s import was interrupted; restart the process")
@@ -297,6 +299,7 @@ class Registry:
         for backend in new:
             self.backends[backend.name] = backend
         self.generation += 1
+        arrays.forget_inspectors()  # a new record may supply a family's inspector
         return new
 
     def _records_of(self, plugin: Any, plugin_name: str) -> list[tuple[Any, Callable[..., Any]]]:
@@ -362,6 +365,7 @@ class Registry:
         for backend_name in names:
             self.backends.pop(backend_name, None)
         self.generation += 1
+        arrays.forget_inspectors()
 
 
 def _check_record(record: Any, plugin_name: str) -> None:
@@ -395,6 +399,19 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(
             f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"
         )
+    if record.inspector is not None:
+        if not isinstance(record.inspector, str) or not _is_module_path(record.inspector):
+            problems.append(
+                f"inspector must be None or an import path ('pkg.mod:Class'), got "
+                f"{record.inspector!r}"
+            )
+        listed = record.families if isinstance(record.families, frozenset) else frozenset()
+        core = sorted(arrays.CORE_FAMILIES & listed)
+        if core:
+            problems.append(
+                f"it supplies an inspector for {', '.join(core)}, whose arrays normlab always "
+                "reads itself"
+            )
     if problems:
         raise BackendError(
             f"plugin {plugin_name!r}: malformed record {getattr(record, 'name', '?')!r}: "
@@ -462,6 +479,48 @@ def _distribution_of(module_name: str) -> str:
         return f", {names[0]} {importlib.metadata.version(names[0])}"
     except importlib.metadata.PackageNotFoundError:
         return ""
+
+
+def _import_object(path: str) -> Any:
+    """The module ``"pkg.mod"``, or the object ``"pkg.mod:attr.sub"`` in it (imported)."""
+    module, _, attr = path.partition(":")
+    loaded: Any = importlib.import_module(module)
+    for part in attr.split(".") if attr else ():
+        loaded = getattr(loaded, part)
+    return loaded
+
+
+#: Inspector import paths that failed (warned about once): path -> why.
+_broken_inspectors: dict[str, str] = {}
+
+
+def _supplied_inspector(family: str) -> type[arrays.Inspector] | None:
+    """The :class:`~normlab.arrays.Inspector` subclass that a record supplies for ``family``:
+    that of the highest-priority record listing the family and an ``inspector`` that loads.
+    One that fails to load, or is not an Inspector subclass, is warned about once and passed
+    over (normlab's own reading of the family is used instead)."""
+    for backend in list_backends():
+        path = backend.record.inspector
+        if path is None or family not in backend.record.families or path in _broken_inspectors:
+            continue
+        try:
+            found = _import_object(path)
+        except (Exception, SystemExit) as exc:
+            problem = f"failed to load: {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(found, type) and issubclass(found, arrays.Inspector):
+                return found
+            problem = f"is {found!r}, not a normlab.arrays.Inspector subclass"
+        _broken_inspectors[path] = problem
+        _warn_at_plugin(
+            f"backend {backend.name!r} (from {backend.provided_by}): its inspector {path!r} "
+            f"{problem}; normlab reads {family} arrays with its own inspector",
+            path,
+        )
+    return None
+
+
+arrays.use_supplied_inspectors(_supplied_inspector)
 
 
 def _is_module_path(path: str) -> bool:

@@ -3,8 +3,8 @@
 # tree (the files git tracks or would track); install the wheel (with the test
 # and numba extras) into a fresh virtual environment; then, from a folder where the source tree
 # is not importable, check that every CUDA source is inside the installed package and run the
-# conformance suite on the numpy and numba backends. An editable install hides missing package
-# data; this does not.
+# conformance suite on the numpy, numba and array_api backends. An editable install hides
+# missing package data; this does not.
 #
 # Usage: scripts/check_wheel.sh [PYTHON]      PYTHON (default python3) needs `build` installed:
 #                                             python3 -m pip install build
@@ -64,7 +64,7 @@ assert installed == expected, f"installed kernels {installed}, source tree {expe
 print(f"normlab {normlab.__version__} from {package}; kernels: {', '.join(installed)}")
 EOF
 
-for backend in numpy numba; do
+for backend in numpy numba array_api; do
     echo "== conformance suite on $backend, from the installed wheel"
     "$venv_python" -m normlab check "$backend" -- -q
 done

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Final
 
-from normlab.hookspecs import BackendRecord, hookimpl
+from normlab.hookspecs import ARRAY_API, BackendRecord, hookimpl
 
 __all__ = ["BUILTIN_RECORDS", "normlab_backends"]
 
@@ -98,10 +98,22 @@ BUILTIN_RECORDS: Final = (
         library="cupy-cuda13x",
         description="raw CUDA kernels compiled with NVRTC, loaded through CuPy",
     ),
+    BackendRecord(
+        name="array_api",
+        module="normlab.backends.array_api_backend",
+        # the arrays of any library exposing __array_namespace__ that normlab has no other
+        # backend for; the lowest priority, so any backend listing the library itself wins
+        families=frozenset({ARRAY_API}),
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({"float16", "float32", "float64"}),
+        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        priority=-100,
+        description="any Array API library's arrays, computed with its own namespace functions",
+    ),
 )
 
 
 @hookimpl
 def normlab_backends() -> list[BackendRecord]:
-    """The four built-in backends."""
+    """The built-in backends."""
     return list(BUILTIN_RECORDS)

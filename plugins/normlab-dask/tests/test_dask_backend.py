@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from dask.array.utils import meta_from_array
 from distributed import Client, LocalCluster, get_task_stream
-from normlab import reference, testing
+from normlab import arrays, reference, testing
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close, conditioning
 
 import normlab_dask
 from normlab_dask import backend
+from normlab_dask.arrays import DaskInspector
 
 #: (shape, chunks, call arguments): split columns, whole rows, Keras-style axes, several
 #: normalized axes, and batch axes chunked after the leading one (Dask's reshape rechunks them).
@@ -83,6 +84,17 @@ def test_registered_by_its_distribution() -> None:
     (dask_backend,) = [b for b in normlab.list_backends() if b.name == "dask"]
     assert dask_backend.provided_by.startswith("normlab-dask ")
     assert dask_backend.available, dask_backend.reason
+
+
+def test_normlab_reads_dask_arrays_with_the_plugins_inspector() -> None:
+    """The record supplies the inspector (normlab's built-in one is a fallback for older
+    versions of this plugin): dtype, shape, the chunks' device, no strides, immutable."""
+    x = da.from_array(np.arange(12.0, dtype=np.float32).reshape(3, 4), chunks=(2, 2))
+    assert type(arrays.inspector(type(x))) is DaskInspector
+    info = arrays.info(x)
+    assert (info.family, info.dtype, info.shape, info.device) == ("dask", "float32", (3, 4), "cpu")
+    assert info.strides is None and not info.writeable
+    np.testing.assert_array_equal(arrays.permute(x, (1, 0)).compute(), x.compute().T)
 
 
 def test_unavailable_without_dask(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import normlab
 import numpy as np
 import pytest
-from normlab import reference, testing
+from normlab import arrays, reference, testing
 from normlab.testing.tolerances import assert_close, conditioning
 
 import normlab_jax
 from normlab_jax import backend
+from normlab_jax.arrays import JaxInspector
 
 DTYPES = ("float16", "bfloat16", "float32")
 #: (shape, call arguments): trailing dims, Keras-style axes, a single row.
@@ -62,6 +63,19 @@ def test_registered_by_its_distribution() -> None:
     assert jax_backend.provided_by.startswith("normlab-jax ")
     assert jax_backend.available, jax_backend.reason
     assert jax_backend.capabilities == frozenset()  # no strides, no out=: JAX cannot
+
+
+def test_normlab_reads_jax_arrays_with_the_plugins_inspector() -> None:
+    """The record supplies the inspector (normlab's built-in one is a fallback for older
+    versions of this plugin); it names devices, tracers included, and permutes axes."""
+    x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    assert type(arrays.inspector(type(x))) is JaxInspector
+    info = arrays.info(x)
+    assert (info.family, info.dtype, info.device, info.strides) == ("jax", "float32", "cpu:0", None)
+    assert not info.writeable
+    np.testing.assert_array_equal(np.asarray(arrays.permute(x, (1, 0))), np.asarray(x).T)
+    traced = jax.jit(lambda a: jnp.asarray(arrays.info(a).device == "cpu:traced"))(x)
+    assert bool(traced)
 
 
 def test_unavailable_without_jax(monkeypatch: pytest.MonkeyPatch) -> None:

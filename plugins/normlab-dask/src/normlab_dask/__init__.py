@@ -33,6 +33,8 @@ RECORD: Final = normlab.BackendRecord(
     # Dask arrays have no strides, and their results are lazy: no "out", "inplace", "strided".
     capabilities=frozenset(),
     check=_check,
+    # how normlab reads dask arrays (a record field since normlab 0.2)
+    inspector="normlab_dask.arrays:DaskInspector",
     library="dask",
     description="lazy dask graph: one normlab call per row chunk, on any scheduler",
 )

@@ -37,6 +37,8 @@ RECORD: Final = normlab.BackendRecord(
     # XLA on the CPU flushes subnormal inputs and results to zero, and no flag turns that off
     # (normlab_jax.backend says more); a record speaks for every device its backend serves.
     flushes_subnormals=True,
+    # how normlab reads jax arrays (a record field since normlab 0.2)
+    inspector="normlab_jax.arrays:JaxInspector",
     library="jax",
     description="jax.jit-compiled XLA kernels on the array's device (CPU or GPU)",
 )
