@@ -1,6 +1,7 @@
 """Bitwise guarantees hold in a process that loads numba's kernels from the on-disk cache, not
 only in the one that compiled them: a row's result does not depend on the other rows, and y, dx
-and dweight do not depend on the thread count.
+and dweight do not depend on the thread count. And a value changed in normlab.constants takes
+effect in a process that loads the kernels from a cache filled with the former value.
 
 A first subprocess fills the cache (or finds it warm); a second loads the kernels from it and
 checks, and asserts that the parallel drivers were indeed loaded from the cache (numba's
@@ -15,7 +16,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("numba")
@@ -26,7 +29,7 @@ CHILD = textwrap.dedent(
     import numba
     import numpy as np
     import normlab
-    from normlab.backends import numba_backward, numba_kernels
+    from normlab.backends import numba_backward, numba_forward
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 1024)).astype(np.float32)
@@ -50,9 +53,9 @@ CHILD = textwrap.dedent(
     numba.set_num_threads(1)
     long1 = normlab.layer_norm(long, backend="numba")
     drivers = (
-        numba_kernels.layer_norm_rows_parallel,
+        numba_forward.layer_norm_rows_parallel,
         numba_backward.backward_chunks_parallel,
-        numba_kernels.long_rows_parallel,
+        numba_forward.long_rows_parallel,
     )
     print(json.dumps({
         "rows_differ": int((y2 != alone).any(axis=1).sum()),
@@ -86,3 +89,80 @@ def test_bitwise_guarantees_hold_when_kernels_come_from_the_cache() -> None:
         assert report["dx_threads_differ"] == 0, report
         assert report["dweight_threads_differ"] == 0, report
         assert report["long_threads_differ"] == 0, report
+
+
+#: A child that sets normlab.constants' ROW_CHUNK and SUM_BLOCK (argv) before any kernel loads,
+#: then runs two backward calls whose results show each value: dbias of a column [1, e, e, ...]
+#: (e = 2^-24: each chunk is summed in float32, where 1 + e rounds to 1, and the chunks in
+#: float64) and dx of a row whose dy holds 3e38 twice (a float32 block sum of the two
+#: overflows: dx is finite only when each block holds one element).
+TABLE_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from normlab import constants
+    constants.ROW_CHUNK, constants.SUM_BLOCK = int(sys.argv[1]), int(sys.argv[2])
+    import normlab
+    from normlab.backends import numba_backward
+
+    rows, cols = 64, 8
+    x = np.linspace(-1, 1, rows * cols, dtype=np.float32).reshape(rows, cols)
+    mean = x.mean(axis=1, keepdims=True)
+    rstd = (1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
+    dy = np.full((rows, cols), 2.0**-24, np.float32)
+    dy[0] = 1
+    _, _, dbias = normlab.layer_norm_backward(
+        dy, x, mean, rstd, backend="numba", needs=("bias",)
+    )
+    huge = np.zeros((1, cols), np.float32)
+    huge[0, :2] = 3e38
+    xh = np.array([[0, 0, 10, -10, 10, -10, 10, -10]], np.float32)  # rstd < 1, g * d = 0
+    mean_h, rstd_h = np.zeros((1, 1), np.float32), 1 / np.sqrt(xh.var(keepdims=True) + 1e-5)
+    dx, _, _ = normlab.layer_norm_backward(
+        huge, xh, mean_h, rstd_h.astype(np.float32), backend="numba", needs=("x",)
+    )
+    print(json.dumps({
+        "dbias": float(dbias[0]),
+        "dx_finite": bool(np.isfinite(dx).all()),
+        "cache_hits": sum(numba_backward.backward_chunks.stats.cache_hits.values()),
+    }))
+    """
+)
+
+
+def _dbias_model(chunk: int) -> float:
+    """dbias of TABLE_CHILD's column: chunks of ``chunk`` rows summed in float32 in row order,
+    the chunks added in float64, rounded once to float32."""
+    column = [np.float32(1.0)] + [np.float32(2.0**-24)] * 63
+    total = 0.0
+    for start in range(0, 64, chunk):
+        part = np.float32(0.0)
+        for value in column[start : start + chunk]:
+            part = np.float32(part + value)
+        total += float(part)
+    return float(np.float32(total))
+
+
+def test_a_changed_constants_table_takes_effect_through_a_warm_cache(tmp_path: Path) -> None:
+    """The kernels receive normlab.constants' sizes as arguments: numba would freeze a global
+    into the kernel it caches (keyed on the kernel's own source file only), and a later process
+    with another value would load the stale kernel."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_NUM_THREADS": "2"}
+
+    def child(chunk: int, block: int) -> dict[str, object]:
+        result = subprocess.run(
+            [sys.executable, "-c", TABLE_CHILD, str(chunk), str(block)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+        return report
+
+    assert _dbias_model(32) != _dbias_model(4)
+    default = child(32, 256)  # fills the empty cache
+    assert default == {"dbias": _dbias_model(32), "dx_finite": False, "cache_hits": 0}
+    changed = child(4, 1)
+    assert changed == {"dbias": _dbias_model(4), "dx_finite": True, "cache_hits": 2}

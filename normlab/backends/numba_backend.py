@@ -1,15 +1,18 @@
 """The Numba backend: fused, parallel JIT kernels for NumPy arrays (and CPU tensors, zero-copy).
 
-``layer_norm`` and ``rms_norm`` run the same kernels (:mod:`normlab.backends.numba_kernels`),
-RMSNorm without the centring; this module turns a call into kernel arguments. ``x`` and ``out``
-are passed as they are, with any strides (no copy); float16 and bfloat16 arrays as views of
-their bit patterns (``int16`` and ``uint16``). Weight and bias are converted to the compute
-dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements. An absent one is a
-cached array of ones or zeros: ``cols`` long for short rows, one segment
-(:data:`~normlab.backends.numba_kernels.SEGMENT`) long for long rows, whose kernels reuse it for
-every segment; so a call without weight or bias allocates no row-sized stand-in. An ``out``
-that is ``x``'s very memory is normalized in place. Rows of more than
-:data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` take the segmented one-pass form.
+This module holds the backend's entry points and its thread pool; the kernels are in
+:mod:`normlab.backends.numba_forward` and :mod:`normlab.backends.numba_backward` (which import
+nothing of this module). ``layer_norm`` and ``rms_norm`` run the same forward kernels, RMSNorm
+without the centring; so do their backward ops with the backward kernels. This module turns a call
+into kernel arguments, the sizes from :mod:`normlab.constants` included (``ROW_CHUNK``,
+``SUM_BLOCK``). ``x`` and ``out`` are passed as they are, with any strides (no copy); float16 and
+bfloat16 arrays as views of their bit patterns (``int16`` and ``uint16``). Weight and bias are
+converted to the compute dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements.
+An absent one is a cached array of ones or zeros: ``cols`` long for short rows, one segment
+(:data:`~normlab.backends.numba_forward.SEGMENT`) long for long rows, whose kernels reuse it for
+every segment; so a call without weight or bias allocates no row-sized stand-in. An ``out`` that is
+``x``'s very memory is normalized in place. Rows of more than
+:data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` take the segmented one-pass form.
 
 Threads (:class:`Pool`): inputs of fewer than :data:`SERIAL_ELEMENTS` elements run on the
 calling thread, larger ones on ``numba.get_num_threads()`` threads (a contiguous range of rows,
@@ -21,7 +24,8 @@ Torch CPU tensors (served only when the caller names ``backend="numba"``) are re
 through ``Tensor.numpy()`` views of the same memory; the results are tensors. The kernels record
 no autograd graph: a call whose plan requires grad (x, weight or bias) goes through normlab's
 torch custom ops (:mod:`normlab.torch`), which call back here with tensors that do not; such a
-call with ``out=`` is refused (:class:`BackendError`).
+call with ``out=`` is refused (:class:`BackendError`). The backward ops likewise go through the
+custom op ``normlab::layer_norm_backward`` for tensors that require grad.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import numba
 import numpy as np
 
 from normlab import notices
-from normlab.backends import half_bits, numba_backward, numba_cache, numba_kernels
-from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
-from normlab.backends.numba_kernels import (
+from normlab.backends import half_bits, numba_backward, numba_cache, numba_forward
+from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
+from normlab.backends.numba_forward import (
     LONG_ROW_BYTES,
     SEGMENT,
     layer_norm_rows,
@@ -47,6 +51,7 @@ from normlab.backends.numba_kernels import (
     segment_moments,
     write_segments,
 )
+from normlab.constants import ROW_CHUNK, SUM_BLOCK
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
 
@@ -64,7 +69,7 @@ __all__ = [
     "to_numpy",
 ]
 
-numba_cache.adopt(half_bits, numba_kernels, numba_backward)
+numba_cache.adopt(half_bits, numba_forward, numba_backward)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
@@ -160,8 +165,8 @@ def load_serial_first(
 
 
 #: The arguments of the forward kernels, without a row range or thread count:
-#: ``(x, y, w, b, eps, mean, rstd, centre)`` (see ``numba_kernels.layer_norm_rows``).
-RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool]
+#: ``(x, y, w, b, eps, mean, rstd, centre, block)`` (see ``numba_forward.layer_norm_rows``).
+RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool, int]
 
 
 def _rows_parallel(args: RowArgs, threads: int) -> None:
@@ -173,26 +178,26 @@ def _rows_parallel(args: RowArgs, threads: int) -> None:
 def _long_rows(args: RowArgs) -> None:
     """The segmented form of ``long_rows_parallel`` (same ``args``, without the thread count) on
     the calling thread: its three kernels in turn, so the bits are the parallel driver's."""
-    x, y, w, b, eps, mean, rstd, centre = args
+    x, y, w, b, eps, mean, rstd, centre, block = args
     rows, cols = x.shape
     segments = -(-cols // SEGMENT)
     items = rows * segments
     moments = np.empty((rows, segments, 2))
     stats, wide = np.empty((rows, 3)), np.empty(rows, np.bool_)
-    segment_moments(x, w, centre, moments, 0, items)
+    segment_moments(x, w, centre, block, moments, 0, items)
     merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
     write_segments(x, y, w, b, stats, wide, 0, items)
 
 
 def _long_rows_parallel(args: RowArgs, threads: int) -> None:
     """``long_rows_parallel`` on ``args`` (those of :func:`_long_rows`)."""
-    x, y, w, b, eps, mean, rstd, centre = args
+    x, y, w, b, eps, mean, rstd, centre, block = args
     moments = np.empty((0, -(-x.shape[1] // SEGMENT), 2))
     stats, wide = np.empty((0, 3)), np.empty(0, np.bool_)
     load_serial_first(
         long_rows_parallel,
         args,
-        (segment_moments, (x, w, centre, moments, 0, 0)),
+        (segment_moments, (x, w, centre, block, moments, 0, 0)),
         (merge_segments, (x, w, eps, centre, moments, stats, wide, mean, rstd)),
         (write_segments, (x, y, w, b, stats, wide, 0, 0)),
     )
@@ -213,7 +218,7 @@ def threading_layer(start: bool = False) -> str:
             if threads > 1:
                 w, b = _constant(1, np.float32, 1.0), _constant(1, np.float32, 0.0)
                 empty = _no_stats(np.float32)
-                _rows_parallel((tiny, None, w, b, 1e-5, empty, empty, True), 2)
+                _rows_parallel((tiny, None, w, b, 1e-5, empty, empty, True, SUM_BLOCK), 2)
         finally:
             POOL.release(threads)
     from numba.np.ufunc import parallel
@@ -273,7 +278,7 @@ def _normalize(
     rstd = np.empty(plan.rows, stats) if plan.return_stats else none
     y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
-    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
+    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre, SUM_BLOCK)
     # one short row runs on one thread: it does not take the pool from another caller
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
@@ -350,6 +355,96 @@ def _constant(length: int, compute: type, fill: float) -> np.ndarray:
 def _no_stats(dtype: type) -> np.ndarray:
     """An empty statistics array: the kernels skip writing statistics into it."""
     return np.empty(0, dtype)
+
+
+def layer_norm_backward(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """LayerNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        return _tensors(dy, x, mean, rstd, weight, plan, needs)
+    return _backward(dy, x, mean, rstd, weight, plan, needs)
+
+
+def rms_norm_backward(
+    dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any]:
+    """RMSNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        dx, dweight, _ = _tensors(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    else:
+        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    return dx, dweight
+
+
+def _backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both ops on NumPy arrays (``mean`` None: RMSNorm); weight already in the compute dtype
+    when it comes from a tensor."""
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    rows, cols = plan.rows, plan.cols
+    chunks = -(-rows // ROW_CHUNK)
+    w = None if weight is None else _parameter(weight, compute, cols, 1.0)
+    mean = np.empty(0, rstd.dtype) if mean is None else mean
+    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
+    dw_parts = np.empty((chunks, cols), compute)
+    db_parts = np.empty((chunks, cols), compute)
+    args = (_as_bits(dy, plan.dtype), _as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
+    sizes = (ROW_CHUNK, SUM_BLOCK)
+    held = POOL.acquire(rows * cols)
+    try:
+        if min(held, chunks) > 1:
+            serial = (backward_chunks, (*args, dw_parts, db_parts, *sizes, 0, 0))
+            load_serial_first(backward_chunks_parallel, (*args, dw_parts, db_parts), serial)
+            backward_chunks_parallel(*args, dw_parts, db_parts, *sizes, min(held, chunks))
+        else:
+            backward_chunks(*args, dw_parts, db_parts, *sizes, 0, chunks)
+    finally:
+        POOL.release(held)
+    dweight = dbias = None
+    if "weight" in needs:
+        dweight = np.empty(cols, compute)
+        sum_chunks(dw_parts, dweight)
+    if "bias" in needs:
+        dbias = np.empty(cols, compute)
+        sum_chunks(db_parts, dbias)
+    return dx, dweight, dbias
+
+
+def _tensors(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """CPU tensors: zero-copy NumPy views in, tensors out. Tensors that require grad go
+    through the custom op, so that the gradients stay in the graph."""
+    if plan.requires_grad:
+        from normlab.torch import backward_with_autograd
+
+        return backward_with_autograd(dy, x, mean, rstd, weight, needs=needs, backend="numba")
+    import torch
+
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    dx, dweight, dbias = _backward(
+        _tensor_as_numpy(dy),
+        _tensor_as_numpy(x),
+        None if mean is None else mean.numpy(),
+        rstd.numpy(),
+        _tensor_parameter(weight, compute),
+        plan,
+        needs,
+    )
+    return (
+        None if dx is None else _numpy_as_tensor(dx, plan.dtype),
+        None if dweight is None else torch.from_numpy(dweight),
+        None if dbias is None else torch.from_numpy(dbias),
+    )
 
 
 # --------------------------------------------------------------------------------------------
