@@ -262,8 +262,9 @@ def backward_chunks(
                 _backward_row(
                     dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, dx[i], pw, pb, centre, block
                 )
-        dw_parts[c] = pw
-        db_parts[c] = pb
+        for j in range(cols):  # not dw_parts[c] = pw: its shape check compiles string code
+            dw_parts[c, j] = pw[j]
+            db_parts[c, j] = pb[j]
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
