@@ -20,7 +20,6 @@ __all__ = [
     "HALF_DTYPES",
     "MACHINE_EPS",
     "ROW_CHUNK",
-    "SUM_BLOCK",
     "stats_dtype_for",
 ]
 
@@ -33,12 +32,10 @@ MACHINE_EPS: Final = {
     "float32": 2.0**-23,
     "float64": 2.0**-52,
 }
-#: Rows per partial sum of dweight/dbias in the CPU kernels (a fixed size: never the number of
-#: threads). Partial sums are added in float64, chunk after chunk.
+#: Rows per partial sum of dweight/dbias in the CPU kernels and the CUDA kernels (a fixed size:
+#: never the number of threads). Partial sums are added in float64, chunk after chunk. The Numba
+#: kernels take it as an argument (numba would freeze a global into its cached kernels).
 ROW_CHUNK: Final = 32
-#: Elements per block of a row sum in the Numba kernels: each block is summed in the compute
-#: dtype (vectorised), the blocks are added in float64. The kernels take it as an argument.
-SUM_BLOCK: Final = 256
 
 # The CUDA kernels' launch shapes. The planner (normlab.backends.cuda_launch) reads them here and
 # the kernels (normlab/backends/kernels/*.cu) are compiled with them as macros (CUDA_MACROS).

@@ -90,9 +90,9 @@ def test_normlab_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None
     w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
     mean, rstd = np.empty(3, np.float32), np.empty(3, np.float32)
     y = np.empty_like(x)
-    layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, True, 256, 0, 3)  # in bounds: fine
+    layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, True, 0, 3)  # in bounds: fine
     try:
-        layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, True, 256, 0, 4)
+        layer_norm_rows(x, y, w, b, 1e-5, mean, rstd, True, 0, 4)
         outcome = "no error"
     except IndexError as exc:
         outcome = f"IndexError: {exc}"

@@ -20,7 +20,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 import normlab  # noqa: E402
-from normlab import constants, reference, spec  # noqa: E402
+from normlab import reference, spec  # noqa: E402
 from normlab.backends import (  # noqa: E402
     half_bits,
     numba_backend,
@@ -448,8 +448,7 @@ def test_kernels_read_no_number_of_another_module_as_a_global() -> None:
                 if not re.search(rf"^{name}\b[^=\n]*=", source, re.M):  # not defined here
                     frozen.append(f"{module.__name__}.{function.__name__} reads {name}")
     assert not frozen
-    assert "block" in inspect.signature(numba_backward.backward_chunks.py_func).parameters
-    assert "block" in inspect.signature(numba_forward.layer_norm_rows.py_func).parameters
+    assert "chunk" in inspect.signature(numba_backward.backward_chunks.py_func).parameters
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,7 +576,7 @@ def test_a_tiny_eps_on_a_varying_row_is_unaffected() -> None:
 
 def test_long_row_threshold() -> None:
     """Long means more compute-dtype bytes than LONG_ROW_BYTES, whole segments of blocks."""
-    assert numba_forward.SEGMENT % constants.SUM_BLOCK == 0
+    assert numba_forward.SEGMENT % numba_forward.BLOCK == 0
     assert numba_forward.LONG_ROW_BYTES // 4 > numba_forward.SEGMENT
 
 

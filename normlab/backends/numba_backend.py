@@ -4,15 +4,14 @@ This module holds the backend's entry points and its thread pool; the kernels ar
 :mod:`normlab.backends.numba_forward` and :mod:`normlab.backends.numba_backward` (which import
 nothing of this module). ``layer_norm`` and ``rms_norm`` run the same forward kernels, RMSNorm
 without the centring; so do their backward ops with the backward kernels. This module turns a call
-into kernel arguments, the sizes from :mod:`normlab.constants` included (``ROW_CHUNK``,
-``SUM_BLOCK``). ``x`` and ``out`` are passed as they are, with any strides (no copy); float16 and
-bfloat16 arrays as views of their bit patterns (``int16`` and ``uint16``). Weight and bias are
-converted to the compute dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements.
-An absent one is a cached array of ones or zeros: ``cols`` long for short rows, one segment
-(:data:`~normlab.backends.numba_forward.SEGMENT`) long for long rows, whose kernels reuse it for
-every segment; so a call without weight or bias allocates no row-sized stand-in. An ``out`` that is
-``x``'s very memory is normalized in place. Rows of more than
-:data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` take the segmented one-pass form.
+into kernel arguments, :data:`normlab.constants.ROW_CHUNK` included. ``x`` and ``out`` are passed
+as they are, with any strides (no copy); float16 and bfloat16 arrays as views of their bit patterns
+(``int16`` and ``uint16``). Weight and bias are converted to the compute dtype (float32, or float64
+for float64 x): two arrays of ``cols`` elements. An absent one is a cached array of ones or zeros:
+``cols`` long for short rows, one segment (:data:`~normlab.backends.numba_forward.SEGMENT`) long
+for long rows, whose kernels reuse it for every segment; so a call without weight or bias allocates
+no row-sized stand-in. An ``out`` that is ``x``'s very memory is normalized in place. Rows of more
+than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` take the segmented one-pass form.
 
 Threads (:class:`Pool`): inputs of fewer than :data:`SERIAL_ELEMENTS` elements run on the
 calling thread, larger ones on ``numba.get_num_threads()`` threads (a contiguous range of rows,
@@ -51,7 +50,7 @@ from normlab.backends.numba_forward import (
     segment_moments,
     write_segments,
 )
-from normlab.constants import ROW_CHUNK, SUM_BLOCK
+from normlab.constants import ROW_CHUNK
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
 
@@ -165,8 +164,8 @@ def load_serial_first(
 
 
 #: The arguments of the forward kernels, without a row range or thread count:
-#: ``(x, y, w, b, eps, mean, rstd, centre, block)`` (see ``numba_forward.layer_norm_rows``).
-RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool, int]
+#: ``(x, y, w, b, eps, mean, rstd, centre)`` (see ``numba_forward.layer_norm_rows``).
+RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool]
 
 
 def _rows_parallel(args: RowArgs, threads: int) -> None:
@@ -178,26 +177,26 @@ def _rows_parallel(args: RowArgs, threads: int) -> None:
 def _long_rows(args: RowArgs) -> None:
     """The segmented form of ``long_rows_parallel`` (same ``args``, without the thread count) on
     the calling thread: its three kernels in turn, so the bits are the parallel driver's."""
-    x, y, w, b, eps, mean, rstd, centre, block = args
+    x, y, w, b, eps, mean, rstd, centre = args
     rows, cols = x.shape
     segments = -(-cols // SEGMENT)
     items = rows * segments
     moments = np.empty((rows, segments, 2))
     stats, wide = np.empty((rows, 3)), np.empty(rows, np.bool_)
-    segment_moments(x, w, centre, block, moments, 0, items)
+    segment_moments(x, w, centre, moments, 0, items)
     merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
     write_segments(x, y, w, b, stats, wide, 0, items)
 
 
 def _long_rows_parallel(args: RowArgs, threads: int) -> None:
     """``long_rows_parallel`` on ``args`` (those of :func:`_long_rows`)."""
-    x, y, w, b, eps, mean, rstd, centre, block = args
+    x, y, w, b, eps, mean, rstd, centre = args
     moments = np.empty((0, -(-x.shape[1] // SEGMENT), 2))
     stats, wide = np.empty((0, 3)), np.empty(0, np.bool_)
     load_serial_first(
         long_rows_parallel,
         args,
-        (segment_moments, (x, w, centre, block, moments, 0, 0)),
+        (segment_moments, (x, w, centre, moments, 0, 0)),
         (merge_segments, (x, w, eps, centre, moments, stats, wide, mean, rstd)),
         (write_segments, (x, y, w, b, stats, wide, 0, 0)),
     )
@@ -218,7 +217,7 @@ def threading_layer(start: bool = False) -> str:
             if threads > 1:
                 w, b = _constant(1, np.float32, 1.0), _constant(1, np.float32, 0.0)
                 empty = _no_stats(np.float32)
-                _rows_parallel((tiny, None, w, b, 1e-5, empty, empty, True, SUM_BLOCK), 2)
+                _rows_parallel((tiny, None, w, b, 1e-5, empty, empty, True), 2)
         finally:
             POOL.release(threads)
     from numba.np.ufunc import parallel
@@ -278,7 +277,7 @@ def _normalize(
     rstd = np.empty(plan.rows, stats) if plan.return_stats else none
     y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
-    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre, SUM_BLOCK)
+    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
     # one short row runs on one thread: it does not take the pool from another caller
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
@@ -398,15 +397,14 @@ def _backward(
     dw_parts = np.empty((chunks, cols), compute)
     db_parts = np.empty((chunks, cols), compute)
     args = (_as_bits(dy, plan.dtype), _as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
-    sizes = (ROW_CHUNK, SUM_BLOCK)
     held = POOL.acquire(rows * cols)
     try:
         if min(held, chunks) > 1:
-            serial = (backward_chunks, (*args, dw_parts, db_parts, *sizes, 0, 0))
+            serial = (backward_chunks, (*args, dw_parts, db_parts, ROW_CHUNK, 0, 0))
             load_serial_first(backward_chunks_parallel, (*args, dw_parts, db_parts), serial)
-            backward_chunks_parallel(*args, dw_parts, db_parts, *sizes, min(held, chunks))
+            backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, min(held, chunks))
         else:
-            backward_chunks(*args, dw_parts, db_parts, *sizes, 0, chunks)
+            backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
     finally:
         POOL.release(held)
     dweight = dbias = None

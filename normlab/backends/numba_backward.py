@@ -14,15 +14,15 @@ computed in float32), whose ``load``/``store``/``narrow`` helpers these kernels 
 or dy that is not contiguous compute-dtype data (half bits, strided) is decoded once, during the
 first sweep, into a scratch row of the thread, which the second sweep reads; dx is rounded once
 as it is written. Row sums are blocked as in the forward (compute dtype within a block of
-``block`` elements, float64 across blocks). Without weight the kernels are compiled without the
+:data:`BLOCK` elements, float64 across blocks). Without weight the kernels are compiled without the
 multiply (``w`` is None), so no row of ones is made.
 
 dweight and dbias are reduced without atomics or locks: the rows are cut into chunks of ``chunk``
 rows (:data:`~normlab.constants.ROW_CHUNK`); each chunk's column sums of ``dy * x̂`` and ``dy`` (in
 the compute dtype: at most ``chunk`` terms each) go to its own row of a partial-sums array, and the
 chunks are added in chunk order, in float64, at the end. Threads take whole chunks, so the result
-does not depend on the number of threads, bit for bit. Both sizes are arguments, never globals (see
-:mod:`normlab.backends.numba_forward`: numba would freeze them into its cache).
+does not depend on the number of threads, bit for bit. ``chunk`` is an argument, never a global (see
+:mod:`normlab.backends.numba_forward`: numba would freeze it into its cache).
 """
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ from numba.extending import overload
 
 from normlab.backends.numba_forward import FASTMATH, load, narrow, store, sub_exact
 
+#: Elements per block of a row sum (compute dtype within, float64 across blocks). This module's
+#: own constant, not the forward's: numba would freeze another file's value into these kernels'
+#: cache (see :mod:`normlab.backends.numba_forward`).
+BLOCK: Final = 256
 #: Elements per tile of a row's second sweep: dx, then the tile's partial sums while its x and
 #: dy are still in L1.
 TILE: Final = 1024
 
 __all__ = [
+    "BLOCK",
     "TILE",
     "backward_chunks",
     "backward_chunks_parallel",
@@ -147,7 +152,6 @@ def _backward_row(
     pw: Any,
     pb: Any,
     centre: bool,
-    block: int,
 ) -> None:
     # One row (formula in the module docstring), n = len(xr):
     #   pass 1: d = x - m, g = dy * w; sums of d, g and g * d (blocked, float64 across blocks);
@@ -164,7 +168,7 @@ def _backward_row(
     # m, r: the row's mean (0 for RMSNorm) and rstd, float64. w: weight, compute dtype, length
     # n, or None (no weight: g = dy). dxr: the row of dx to write (x's element type), or None.
     # pw, pb: this chunk's partial sums of dweight and dbias (compute dtype, length n).
-    # centre: LayerNorm (else RMSNorm). block: elements per block of a row sum (SUM_BLOCK).
+    # centre: LayerNorm (else RMSNorm).
     # Loops index from 0 (slices for the blocks): a start that may be negative would stop Numba's
     # index wraparound from being proved away, and the loop from vectorising.
     n = xr.shape[0]
@@ -172,12 +176,12 @@ def _backward_row(
     sum_d = 0.0
     sum_g = 0.0
     sum_gd = 0.0
-    for start in range(0, n, block):
-        xb = xr[start : start + block]
-        dyb = dyr[start : start + block]
-        xsb = xs[start : start + block]
-        dysb = dys[start : start + block]
-        wb = weight_span(w, start, start + block)
+    for start in range(0, n, BLOCK):
+        xb = xr[start : start + BLOCK]
+        dyb = dyr[start : start + BLOCK]
+        xsb = xs[start : start + BLOCK]
+        dysb = dys[start : start + BLOCK]
+        wb = weight_span(w, start, start + BLOCK)
         part_d = narrow(0.0, pw)
         part_g = narrow(0.0, pw)
         part_gd = narrow(0.0, pw)
@@ -230,7 +234,6 @@ def backward_chunks(
     dw_parts: Any,
     db_parts: Any,
     chunk: int,
-    block: int,
     first: int,
     last: int,
 ) -> None:
@@ -242,7 +245,7 @@ def backward_chunks(
     # length cols, or None (no weight). dx: 2-D like x to write, or None.
     # dw_parts, db_parts: (chunks, cols), compute dtype; row c receives chunk c's column sums
     # (summed in two scratch rows of the thread, which the compiler knows overlap nothing).
-    # chunk: rows per chunk (ROW_CHUNK); block: elements per block of a row sum (SUM_BLOCK).
+    # chunk: rows per chunk (normlab.constants.ROW_CHUNK, an argument: see the module docstring).
     rows, cols = x.shape
     centre = mean.shape[0] != 0
     x_scratch = np.empty(cols, rstd.dtype)
@@ -256,11 +259,11 @@ def backward_chunks(
             m = mean[i] if centre else 0.0
             if dx is None:
                 _backward_row(
-                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, None, pw, pb, centre, block
+                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, None, pw, pb, centre
                 )
             else:
                 _backward_row(
-                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, dx[i], pw, pb, centre, block
+                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, dx[i], pw, pb, centre
                 )
         for j in range(cols):  # not dw_parts[c] = pw: its shape check compiles string code
             dw_parts[c, j] = pw[j]
@@ -278,7 +281,6 @@ def backward_chunks_parallel(
     dw_parts: Any,
     db_parts: Any,
     chunk: int,
-    block: int,
     threads: int,
 ) -> None:
     # backward_chunks over every chunk, the chunks split into `threads` equal ranges that run in
@@ -286,7 +288,7 @@ def backward_chunks_parallel(
     chunks = dw_parts.shape[0]
     for t in prange(threads):
         backward_chunks(
-            dy, x, mean, rstd, w, dx, dw_parts, db_parts, chunk, block,
+            dy, x, mean, rstd, w, dx, dw_parts, db_parts, chunk,
             chunks * t // threads, chunks * (t + 1) // threads,
         )  # fmt: skip
 

@@ -22,14 +22,14 @@ Two integer types keep the two half formats apart, so Numba's type dispatch pick
 conversion (:mod:`normlab.backends.half_bits`) at compile time. A row (or, for long rows, a
 segment) that is not contiguous compute-dtype data is first copied, converted, into a scratch
 array of the thread; so the sums always run over contiguous memory. Row sums are blocked: each
-block of ``block`` elements (an argument: :data:`normlab.constants.SUM_BLOCK`) is summed in the
-compute dtype (vectorised, a few terms per SIMD lane), and block sums are added in float64; the
-error of a float32 sum stays a few float32 roundoffs, whatever the row length. Statistics and
-``rstd`` are float64 scalars.
+block of :data:`BLOCK` elements is summed in the compute dtype (vectorised, a few terms per SIMD
+lane), and block sums are added in float64; the error of a float32 sum stays a few float32
+roundoffs, whatever the row length. Statistics and ``rstd`` are float64 scalars.
 
-Numbers shared with other modules reach the kernels as arguments, never as globals: numba
-freezes a global's value into the compiled kernel and keys its on-disk cache on this file
-alone, so a value changed elsewhere would leave stale cached kernels.
+Every number these kernels read as a global is defined in this file: numba freezes a global's
+value into the compiled kernel and keys its on-disk cache on the kernel's own file, so a number
+from another file (:mod:`normlab.constants`) must reach a kernel as an argument, or a change to
+it would leave stale cached kernels.
 
 Long rows (more than :data:`LONG_ROW_BYTES` of compute dtype) are cut into segments of
 :data:`SEGMENT` elements: each segment's (mean, M2) by the shifted two-pass while it is in L1,
@@ -68,6 +68,7 @@ from normlab.backends.half_bits import (
 )
 
 __all__ = [
+    "BLOCK",
     "FASTMATH",
     "LONG_ROW_BYTES",
     "SEGMENT",
@@ -82,6 +83,9 @@ __all__ = [
 
 #: Fast-math flags that keep IEEE NaN and Inf behaviour (no ``nnan``, ``ninf``, ``afn``).
 FASTMATH: Final = {"reassoc", "contract", "nsz"}
+#: Elements per block of a row sum (summed in the compute dtype, then added in float64). A
+#: constant the compiler folds: as an argument it cost 9% on rows of 768 float32.
+BLOCK: Final = 256
 #: Rows of more compute-dtype bytes than this take the segmented one-pass form
 #: (long_rows_parallel): 2^18 float32 or 2^17 float64 elements. Up to it, a row's three
 #: sweeps run in a core's L2 (1-2 MiB on current x86 server cores; the row must share it with
@@ -95,7 +99,7 @@ TINY_FLOAT32: Final = 2.0**-126
 TINY_FLOAT64: Final = 2.0**-1022
 #: A wide row's values are scaled by 2^k into [1, 2) before squaring, k clamped to this range.
 SCALE_LIMIT: Final = 1000
-#: Elements per segment of a long row (a multiple of SUM_BLOCK): 16 KiB of float32, 32 KiB of
+#: Elements per segment of a long row (a multiple of BLOCK): 16 KiB of float32, 32 KiB of
 #: float64, so that a segment's second sweep hits L1.
 SEGMENT: Final = 4096
 
@@ -261,35 +265,34 @@ def sub_exact(a: float, b: float) -> float:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
-def _moments(src: Any, w: Any, centre: bool, block: int) -> tuple[float, float]:
+def _moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
     # Shifted two-pass moments of a contiguous span, n = len(src) >= 1:
     #   mean = x0 + sum(x - x0) / n      x0 = src[0]: a constant span stays exact (LayerNorm)
     #   mean = 0                         without centring (RMSNorm)
     #   m2   = sum((x - mean)^2)         never E[x²]-E[x]²
     # mean is split into mean_hi + mean_lo (compute dtype) so that x - mean is accurate in float32.
     # src: compute dtype, contiguous (see source_row). w: any compute-dtype array (for its dtype).
-    # block: elements per block sum (SUM_BLOCK).
     # Returns (mean, m2) as float64; m2 is inf or NaN when a float32 block sum overflowed.
     n = src.shape[0]
     mean = 0.0
     if centre:
         x0 = src[0]
         shift = 0.0
-        for start in range(0, n, block):
-            span = src[start : start + block]
+        for start in range(0, n, BLOCK):
+            block = src[start : start + BLOCK]
             part = narrow(0.0, w)
-            for j in range(span.shape[0]):
-                part += sub_exact(span[j], x0)
+            for j in range(block.shape[0]):
+                part += sub_exact(block[j], x0)
             shift += part
         mean = x0 + shift / n
     mean_hi = narrow(mean, w)
     mean_lo = narrow(mean - mean_hi, w)
     m2 = 0.0
-    for start in range(0, n, block):
-        span = src[start : start + block]
+    for start in range(0, n, BLOCK):
+        block = src[start : start + BLOCK]
         part = narrow(0.0, w)
-        for j in range(span.shape[0]):
-            d = sub_exact(sub_exact(span[j], mean_hi), mean_lo)
+        for j in range(block.shape[0]):
+            d = sub_exact(sub_exact(block[j], mean_hi), mean_lo)
             part += d * d
         m2 += part
     return mean, m2
@@ -405,7 +408,6 @@ def layer_norm_rows(
     mean: Any,
     rstd: Any,
     centre: bool,
-    block: int,
     start: int,
     stop: int,
 ) -> None:
@@ -415,7 +417,6 @@ def layer_norm_rows(
     # y: 2-D like x (any strides), or None to normalize x in place.
     # w, b: compute dtype, contiguous, length cols (b: zeros for RMSNorm). eps: float64.
     # mean, rstd: 1-D (rows,) float32 or float64 to receive the statistics, or empty (none).
-    # block: elements per block of a row sum (normlab.constants.SUM_BLOCK).
     # A row that is not contiguous compute-dtype data is first copied into one scratch row.
     # A wide row (see _wide_stats) is left unwritten here (an empty span, not a branch: a call
     # or a branch around _write in this loop costs 5-40% per row) and redone by _wide_rows.
@@ -424,7 +425,7 @@ def layer_norm_rows(
     any_wide = False
     for i in range(start, stop):
         src = source_row(x[i], scratch)
-        m, m2 = _moments(src, w, centre, block)
+        m, m2 = _moments(src, w, centre)
         r = 1.0 / np.sqrt(m2 / src.shape[0] + eps)  # eps added in float64
         ok = np.isfinite(m2) and np.isfinite(narrow(r, w))
         ok = ok and not underflowed(m2, src.shape[0], eps, w)
@@ -442,23 +443,14 @@ def layer_norm_rows(
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def layer_norm_rows_parallel(
-    x: Any,
-    y: Any,
-    w: Any,
-    b: Any,
-    eps: float,
-    mean: Any,
-    rstd: Any,
-    centre: bool,
-    block: int,
-    chunks: int,
+    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
 ) -> None:
     # layer_norm_rows over all rows, split into `chunks` equal ranges that run in parallel on
     # numba's threads (chunks: the thread count at call time; other arguments as there).
     rows = x.shape[0]
     for c in prange(chunks):
         start, stop = rows * c // chunks, rows * (c + 1) // chunks
-        layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, block, start, stop)
+        layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,9 +460,7 @@ def layer_norm_rows_parallel(
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def segment_moments(
-    x: Any, w: Any, centre: bool, block: int, moments: Any, first: int, last: int
-) -> None:
+def segment_moments(x: Any, w: Any, centre: bool, moments: Any, first: int, last: int) -> None:
     # _moments of each segment of items first..last-1: moments[row, segment] = (mean, m2).
     # The segment is read from memory once and swept a second time in L1 (16-32 KiB).
     # x: as in layer_norm_rows. moments: (rows, S, 2) float64.
@@ -482,7 +472,7 @@ def segment_moments(
         a = s * SEGMENT
         e = min(cols, a + SEGMENT)
         src = source_row(x[i, a:e], scratch[: e - a])
-        m, m2 = _moments(src, w, centre, block)
+        m, m2 = _moments(src, w, centre)
         moments[i, s, 0] = m
         moments[i, s, 1] = m2
 
@@ -557,16 +547,7 @@ def write_segments(
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def long_rows_parallel(
-    x: Any,
-    y: Any,
-    w: Any,
-    b: Any,
-    eps: float,
-    mean: Any,
-    rstd: Any,
-    centre: bool,
-    block: int,
-    chunks: int,
+    x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
 ) -> None:
     # LayerNorm or RMSNorm of every row of x in the segmented one-pass form (arguments as in
     # layer_norm_rows, but w and b may be SEGMENT long: see write_segments): the segments of all
@@ -581,8 +562,7 @@ def long_rows_parallel(
     stats = np.empty((rows, 3))
     wide = np.empty(rows, np.bool_)
     for c in prange(chunks):
-        first, last = items * c // chunks, items * (c + 1) // chunks
-        segment_moments(x, w, centre, block, moments, first, last)
+        segment_moments(x, w, centre, moments, items * c // chunks, items * (c + 1) // chunks)
     merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
     for c in prange(chunks):
         write_segments(x, y, w, b, stats, wide, items * c // chunks, items * (c + 1) // chunks)
