@@ -130,7 +130,7 @@ def profile(shapes: tuple[tuple[int, int], ...], rounds: int) -> None:
     """Where a numba half LayerNorm spends time: decode alone, encode alone, float32 math."""
     from numba import njit, prange
 
-    from normlab.backends.numba_kernels import load, store
+    from normlab.backends.numba_forward import load, store
 
     @njit(parallel=True)
     def decode(bits: Any, out: Any) -> None:

@@ -34,7 +34,7 @@ except ImportError:  # the harness fuzzes NumPy arrays alone
 
 #: Jitted kernels are compiled from their bytecode: instrumented, Numba could not compile them.
 KERNELS: Final = [
-    "normlab.backends.numba_kernels",
+    "normlab.backends.numba_forward",
     "normlab.backends.numba_backward",
     "normlab.backends.half_bits",
     "normlab.backends.half_hw",

@@ -11,7 +11,7 @@ where *strided* is a row view of every other column, *parallel* an input of at l
 numba's threads; compiled only where numba has more than one thread), forward is
 ``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels) and backward
 ``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels). Rows longer
-than :data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` and calls with ``out=`` use other
+than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` and calls with ``out=`` use other
 kernels and are not warmed.
 """
 
@@ -114,7 +114,7 @@ def warmup(
         raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
     import numba
 
-    from normlab.backends import numba_backward, numba_kernels
+    from normlab.backends import numba_backward, numba_forward
 
     skipped = []
     if "bfloat16" in dtypes and _bfloat16() is None:
@@ -123,7 +123,7 @@ def warmup(
     calls = warmup_calls(dtypes, ops, parallel=numba.get_num_threads() > 1)
     if numba.get_num_threads() == 1:
         skipped.append("parallel kernels (numba has one thread here)")
-    entries = _entry_points(numba_kernels, numba_backward)
+    entries = _entry_points(numba_forward, numba_backward)
     before = _cache_counts(entries)
     start = time.perf_counter()
     with notices.compile_notices_silenced():
@@ -144,7 +144,7 @@ def _set_cache_dir(cache_dir: str | os.PathLike[str] | None) -> None:
     if cache_dir is None:
         return
     wanted = os.path.abspath(os.fspath(cache_dir))
-    if "normlab.backends.numba_kernels" in sys.modules:
+    if "normlab.backends.numba_forward" in sys.modules:
         if os.path.abspath(_numba_config().CACHE_DIR or "") != wanted:
             raise ArgumentError(
                 f"warmup: cache_dir={wanted!r} comes too late: numba's kernels were loaded in "

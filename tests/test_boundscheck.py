@@ -85,7 +85,7 @@ def test_normlab_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None
     """Asked for one row too many, normlab's own kernel raises instead of reading past x."""
     code = """
     import json, numpy as np
-    from normlab.backends.numba_kernels import layer_norm_rows
+    from normlab.backends.numba_forward import layer_norm_rows
     x = np.ones((3, 4), np.float32)
     w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
     mean, rstd = np.empty(3, np.float32), np.empty(3, np.float32)
@@ -112,9 +112,9 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         import normlab.testing
         exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
         from numba.core.dispatcher import Dispatcher
-        from normlab.backends import half_bits, numba_backward, numba_kernels
+        from normlab.backends import half_bits, numba_backward, numba_forward
         kernels = [
-            k for m in (half_bits, numba_kernels, numba_backward) for k in vars(m).values()
+            k for m in (half_bits, numba_forward, numba_backward) for k in vars(m).values()
             if isinstance(k, Dispatcher)
         ]
         print(json.dumps({

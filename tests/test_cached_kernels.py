@@ -1,6 +1,7 @@
 """Bitwise guarantees hold in a process that loads numba's kernels from the on-disk cache, not
 only in the one that compiled them: a row's result does not depend on the other rows, and y, dx
-and dweight do not depend on the thread count.
+and dweight do not depend on the thread count. And a value changed in normlab.constants takes
+effect in a process that loads the kernels from a cache filled with the former value.
 
 A first subprocess fills the cache (or finds it warm); a second loads the kernels from it and
 checks, and asserts that the parallel drivers were indeed loaded from the cache (numba's
@@ -15,7 +16,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("numba")
@@ -26,7 +29,7 @@ CHILD = textwrap.dedent(
     import numba
     import numpy as np
     import normlab
-    from normlab.backends import numba_backward, numba_kernels
+    from normlab.backends import numba_backward, numba_forward
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 1024)).astype(np.float32)
@@ -50,9 +53,9 @@ CHILD = textwrap.dedent(
     numba.set_num_threads(1)
     long1 = normlab.layer_norm(long, backend="numba")
     drivers = (
-        numba_kernels.layer_norm_rows_parallel,
+        numba_forward.layer_norm_rows_parallel,
         numba_backward.backward_chunks_parallel,
-        numba_kernels.long_rows_parallel,
+        numba_forward.long_rows_parallel,
     )
     print(json.dumps({
         "rows_differ": int((y2 != alone).any(axis=1).sum()),
@@ -86,3 +89,68 @@ def test_bitwise_guarantees_hold_when_kernels_come_from_the_cache() -> None:
         assert report["dx_threads_differ"] == 0, report
         assert report["dweight_threads_differ"] == 0, report
         assert report["long_threads_differ"] == 0, report
+
+
+#: A child that sets normlab.constants.ROW_CHUNK (argv) before any kernel loads, then runs a
+#: backward call whose result shows the value: dbias of a column [1, e, e, ...] (e = 2^-24: each
+#: chunk is summed in float32, where 1 + e rounds to 1, and the chunks in float64).
+TABLE_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from normlab import constants
+    constants.ROW_CHUNK = int(sys.argv[1])
+    import normlab
+    from normlab.backends import numba_backward
+
+    rows, cols = 64, 8
+    x = np.linspace(-1, 1, rows * cols, dtype=np.float32).reshape(rows, cols)
+    mean = x.mean(axis=1, keepdims=True)
+    rstd = (1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
+    dy = np.full((rows, cols), 2.0**-24, np.float32)
+    dy[0] = 1
+    _, _, dbias = normlab.layer_norm_backward(
+        dy, x, mean, rstd, backend="numba", needs=("bias",)
+    )
+    print(json.dumps({
+        "dbias": float(dbias[0]),
+        "cache_hits": sum(numba_backward.backward_chunks.stats.cache_hits.values()),
+    }))
+    """
+)
+
+
+def _dbias_model(chunk: int) -> float:
+    """dbias of TABLE_CHILD's column: chunks of ``chunk`` rows summed in float32 in row order,
+    the chunks added in float64, rounded once to float32."""
+    column = [np.float32(1.0)] + [np.float32(2.0**-24)] * 63
+    total = 0.0
+    for start in range(0, 64, chunk):
+        part = np.float32(0.0)
+        for value in column[start : start + chunk]:
+            part = np.float32(part + value)
+        total += float(part)
+    return float(np.float32(total))
+
+
+def test_a_changed_constants_table_takes_effect_through_a_warm_cache(tmp_path: Path) -> None:
+    """The kernels receive normlab.constants.ROW_CHUNK as an argument: numba would freeze a
+    global into the kernel it caches (keyed on the kernel's own source file only), and a later
+    process with another value would load the stale kernel."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_NUM_THREADS": "2"}
+
+    def child(chunk: int) -> dict[str, object]:
+        result = subprocess.run(
+            [sys.executable, "-c", TABLE_CHILD, str(chunk)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr
+        report: dict[str, object] = json.loads(result.stdout.strip().splitlines()[-1])
+        return report
+
+    assert _dbias_model(32) != _dbias_model(4)
+    assert child(32) == {"dbias": _dbias_model(32), "cache_hits": 0}  # fills the empty cache
+    assert child(4) == {"dbias": _dbias_model(4), "cache_hits": 1}  # loads it

@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import inspect
 import json
+import re
 import stat
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from normlab import reference, registry, spec
+from normlab import constants, reference, registry, spec
 from normlab.backends import cuda_compile, cuda_launch
 from normlab.backends.cuda_launch import (
     FORWARD_OPS,
@@ -177,6 +178,57 @@ def test_cubins_in_the_old_layout_are_still_read(
     assert len(list((tmp_path / "cuda").glob("*.bin"))) == 1
 
 
+def test_nvrtc_is_given_the_launch_shapes_of_the_constants_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shapes the planner uses reach the kernels as ``-D`` options, read from
+    normlab.constants at compile time; a changed value is another cache entry, compiled anew."""
+    _nvrtc_or_skip()
+    runs: list[list[str]] = []
+    real = cuda_compile._compile
+
+    def recorded(*args: Any) -> Any:
+        runs.append(list(args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(cuda_compile, "_compile", recorded)
+    spec = Specialisation("layer_norm_backward", "float32", "float32", 128, 0, True, "partials")
+    cuda_compile.compile_kernels([spec], "sm_90", cache_dir=tmp_path)
+    expected = {
+        "ROW_CHUNK": constants.ROW_CHUNK,
+        "LOOP_THREADS": constants.CUDA_LOOP_THREADS,
+        "LOOP_ITEMS": constants.CUDA_LOOP_ITEMS,
+        "MIN_BLOCK": constants.CUDA_MIN_BLOCK,
+        "PARTIAL_THREADS": constants.CUDA_PARTIAL_THREADS,
+        "SUM_COLUMNS": constants.CUDA_SUM_COLUMNS,
+        "SUM_LANES": constants.CUDA_SUM_LANES,
+    }
+    assert {f"-DNORMLAB_{name}={value}" for name, value in expected.items()} <= set(runs[0])
+    monkeypatch.setattr(constants, "ROW_CHUNK", 16)
+    cuda_compile.compile_kernels([spec], "sm_90", cache_dir=tmp_path)
+    assert len(runs) == 2 and "-DNORMLAB_ROW_CHUNK=16" in runs[1]
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+def test_every_macro_the_kernels_read_is_in_the_table_and_required() -> None:
+    """The sources use only macros that kernel_macros defines, and refuse to compile without
+    them (a value written into a .cu file would drift from the planner's)."""
+    _nvrtc_or_skip()
+    given = {o.split("=")[0].removeprefix("-D") for o in cuda_compile.kernel_macros()}
+    used = {
+        name
+        for path in cuda_compile.KERNEL_DIR.iterdir()
+        for name in re.findall(r"\bNORMLAB_[A-Z_]+\b", path.read_text())
+    }
+    assert used == given
+    source, headers = cuda_compile._read_sources(cuda_compile.SOURCE)
+    spec = Specialisation("layer_norm", "float32", "float32", 32, 1, True)
+    with pytest.raises(cuda_compile.CudaCompileError, match="kernel_macros"):
+        cuda_compile._compile(
+            cuda_compile.SOURCE, source, headers, ["--gpu-architecture=sm_90"], [spec.expression]
+        )
+
+
 def test_compute_target_gives_ptx_without_reports(tmp_path: Path) -> None:
     _nvrtc_or_skip()
     spec = Specialisation("rms_norm", "bfloat16", "float32", 512, 0, False)
@@ -330,9 +382,6 @@ def test_the_plan_never_depends_on_the_number_of_rows() -> None:
 def test_the_planner_and_the_kernel_source_agree() -> None:
     source = (cuda_compile.KERNEL_DIR / cuda_compile.SOURCE).read_text()
     rows = (cuda_compile.KERNEL_DIR / "rows.cuh").read_text()  # shared with the backward
-    assert f"constexpr int LOOP_THREADS = {cuda_launch.LOOP_THREADS};" in source
-    assert f"constexpr int LOOP_ITEMS = {cuda_launch.LOOP_ITEMS};" in source
-    assert "THREADS < 128 ? 128 : THREADS" in rows  # rows per block of the short-row kernels
     assert '#include "rows.cuh"' in source
     for cxx in cuda_launch.CXX_TYPES.values():
         assert cxx in ("float", "double") or f"struct {cxx.split('::')[1]} " in rows

@@ -28,14 +28,14 @@ ROOT = Path(__file__).parent.parent
 #: A child's program: a few calls on the default backend, then what numba did, as JSON.
 CALLS = """
 import json, numpy as np, normlab
-from normlab.backends import numba_kernels
+from normlab.backends import numba_forward
 x = np.linspace(-3, 3, 64, dtype=np.float32).reshape(4, 16)
 y = normlab.layer_norm(x)
 y64 = normlab.layer_norm(x.astype(np.float64))
 y16 = normlab.layer_norm(x.astype(np.float16))
 expected = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
 assert np.allclose(y, expected, atol=1e-5), "wrong result"
-kernel = numba_kernels.layer_norm_rows
+kernel = numba_forward.layer_norm_rows
 print(json.dumps({
     "hits": sum(kernel.stats.cache_hits.values()),
     "misses": sum(kernel.stats.cache_misses.values()),
@@ -156,14 +156,14 @@ def test_the_users_own_numba_functions_keep_numbas_locators(tmp_path: Path) -> N
     cached beside its source, as numba does without normlab."""
     from numba.core import caching
 
-    from normlab.backends import numba_cache, numba_kernels
+    from normlab.backends import numba_cache, numba_forward
 
     user_file = tmp_path / "user_kernels.py"
     user_file.write_text("def f(x):\n    return x + 1\n")
     namespace: dict[str, Any] = {}
     exec(compile(user_file.read_text(), str(user_file), "exec"), namespace)
     assert numba_cache.KernelCacheLocator.from_function(namespace["f"], str(user_file)) is None
-    kernel = numba_kernels.layer_norm_rows
+    kernel = numba_forward.layer_norm_rows
     locator = caching.FunctionCache(kernel.py_func)._impl.locator
     assert isinstance(locator, numba_cache.KernelCacheLocator)
     assert not Path(locator.get_cache_path()).is_relative_to(ROOT / "normlab")

@@ -278,7 +278,7 @@ def test_kernel_cache_keyed_by_the_conversions_source(tmp_path: Path) -> None:
     half.write_text(half.read_text() + "\n")
     assert numba_cache.sources_digest(package) != before
 
-    kernel: Any = numba_backend.numba_kernels.layer_norm_rows  # adopted by the backend
+    kernel: Any = numba_backend.numba_forward.layer_norm_rows  # adopted by the backend
     codegen = numba.core.registry.cpu_target.target_context.codegen()
     key = kernel._cache._index_key((), codegen)
     assert key[-1] == numba_cache.backend_sources_digest()

@@ -145,7 +145,7 @@ def test_plan_cache_is_bounded() -> None:
 
 def test_numba_compiles_per_kind_of_array_not_per_shape() -> None:
     """New shapes and strides of arrays of a kind already seen compile nothing."""
-    from normlab.backends import numba_backend, numba_kernels
+    from normlab.backends import numba_backend, numba_forward
 
     def kinds(shift: int) -> None:
         for dtype in (np.float16, np.float32, np.float64):
@@ -157,7 +157,7 @@ def test_numba_compiles_per_kind_of_array_not_per_shape() -> None:
                 normlab.layer_norm(x[:, :cols], out=np.empty((rows, cols), dtype), backend="numba")
 
     def compiled() -> int:
-        kernels = (numba_kernels.layer_norm_rows, numba_kernels.layer_norm_rows_parallel)
+        kernels = (numba_forward.layer_norm_rows, numba_forward.layer_norm_rows_parallel)
         return sum(len(k.signatures) for k in kernels)
 
     kinds(0)

@@ -8,6 +8,8 @@ Arrays stay small: these tests check correctness, never speed.
 
 from __future__ import annotations
 
+import inspect
+import re
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +21,12 @@ numba = pytest.importorskip("numba")
 
 import normlab  # noqa: E402
 from normlab import reference, spec  # noqa: E402
-from normlab.backends import half_bits, numba_backend, numba_kernels  # noqa: E402
+from normlab.backends import (  # noqa: E402
+    half_bits,
+    numba_backend,
+    numba_backward,
+    numba_forward,
+)
 from normlab.errors import BackendError  # noqa: E402
 from normlab.testing.conversions import numpy_dtype  # noqa: E402
 from normlab.testing.tolerances import assert_close, conditioning, y_scale  # noqa: E402
@@ -415,10 +422,33 @@ def test_torch_through_the_api(torch: Any) -> None:
 
 
 def test_kernels_keep_nan_semantics_and_cache() -> None:
-    assert not numba_kernels.FASTMATH & {"nnan", "ninf", "fast"}
-    for kernel in (numba_kernels.layer_norm_rows, numba_kernels.layer_norm_rows_parallel):
+    assert not numba_forward.FASTMATH & {"nnan", "ninf", "fast"}
+    for kernel in (numba_forward.layer_norm_rows, numba_forward.layer_norm_rows_parallel):
         assert isinstance(kernel._cache, numba.core.caching.FunctionCache)  # cache=True
         assert kernel.targetoptions["error_model"] == "numpy"
+
+
+def test_kernels_read_no_number_of_another_module_as_a_global() -> None:
+    """Numba freezes a global's value into the kernel it caches, and keys the cache on the
+    kernel's own source file: a number defined in another file (normlab.constants, or the
+    forward module for the backward kernels) must reach a kernel as an argument, else changing
+    it would leave stale cached kernels."""
+    modules = (half_bits, numba_forward, numba_backward)
+    frozen = []
+    for module in modules:
+        source = inspect.getsource(module)
+        for function in vars(module).values():
+            function = getattr(function, "py_func", function)  # a numba dispatcher's function
+            if not inspect.isfunction(function) or function.__module__ != module.__name__:
+                continue
+            for name in function.__code__.co_names:
+                value = vars(module).get(name)
+                if not isinstance(value, int | float | str | tuple | frozenset | set):
+                    continue
+                if not re.search(rf"^{name}\b[^=\n]*=", source, re.M):  # not defined here
+                    frozen.append(f"{module.__name__}.{function.__name__} reads {name}")
+    assert not frozen
+    assert "chunk" in inspect.signature(numba_backward.backward_chunks.py_func).parameters
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +514,7 @@ def test_rms_norm_torch_tensors_keep_the_graph(torch: Any) -> None:
 
 def _long_cols() -> int:
     """A row length that takes the segmented long-row form in float32, with a partial segment."""
-    return numba_kernels.LONG_ROW_BYTES // 4 + numba_kernels.SEGMENT // 2 + 3
+    return numba_forward.LONG_ROW_BYTES // 4 + numba_forward.SEGMENT // 2 + 3
 
 
 @pytest.mark.parametrize("cols", [4, 1001, "long"])
@@ -546,8 +576,8 @@ def test_a_tiny_eps_on_a_varying_row_is_unaffected() -> None:
 
 def test_long_row_threshold() -> None:
     """Long means more compute-dtype bytes than LONG_ROW_BYTES, whole segments of blocks."""
-    assert numba_kernels.SEGMENT % numba_kernels.BLOCK == 0
-    assert numba_kernels.LONG_ROW_BYTES // 4 > numba_kernels.SEGMENT
+    assert numba_forward.SEGMENT % numba_forward.BLOCK == 0
+    assert numba_forward.LONG_ROW_BYTES // 4 > numba_forward.SEGMENT
 
 
 def test_long_row_with_a_large_offset_is_exact() -> None:
@@ -559,7 +589,7 @@ def test_long_row_with_a_large_offset_is_exact() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_rows_match_reference(dtype: str) -> None:
-    cols = _long_cols() if dtype != "float64" else numba_kernels.LONG_ROW_BYTES // 8 + 1000
+    cols = _long_cols() if dtype != "float64" else numba_forward.LONG_ROW_BYTES // 8 + 1000
     x = _data((3, cols), dtype, seed=6, loc=100.0)
     x[1] = x[1, 0]  # a constant row: exactly bias
     weight, bias = _data((cols,), dtype, seed=1), _data((cols,), dtype, seed=2)

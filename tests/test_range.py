@@ -111,7 +111,7 @@ def test_rows_at_the_edges_of_the_range(
 @pytest.mark.parametrize("scale", [1e200, 1e-160])
 def test_long_rows_at_the_edges_of_the_float64_range(op: str, scale: float) -> None:
     """numba's segmented form (rows beyond LONG_ROW_BYTES) takes the same repair."""
-    kernels = pytest.importorskip("normlab.backends.numba_kernels", reason="needs numba")
+    kernels = pytest.importorskip("normlab.backends.numba_forward", reason="needs numba")
     x = _rows(scale, np.float64, (1, kernels.LONG_ROW_BYTES // 8 + 5))
     y, rstd = _call(op, x, "numba", 0.0)
     expected_y, expected_rstd = _exact(op, x, 0.0)

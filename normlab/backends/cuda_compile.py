@@ -6,8 +6,10 @@ NVRTC is loaded with ctypes from NVIDIA's ``nvidia-cuda-nvrtc`` wheel (or, faili
 compile function: the CuPy backend calls it at run time for the device's architecture and the
 tests call it (through :func:`compile_all`) for explicit architectures. For a real architecture
 (``sm_90``) it produces a cubin and asks ptxas for a resource report (``--ptxas-options=-v``),
-parsed into one :class:`KernelReport` per kernel. Results are cached on disk, keyed by the
-source, the headers, the options, the kernel names and the NVRTC version.
+parsed into one :class:`KernelReport` per kernel. The launch shapes the kernels share with the
+planner come from :mod:`normlab.constants` as ``-D`` options (:func:`kernel_macros`). Results are
+cached on disk, keyed by the source, the headers, the options (those macros included), the kernel
+names and the NVRTC version.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from normlab import constants
 from normlab.backends.cache_dirs import cache_root, make_private_dirs
 from normlab.backends.cuda_launch import Specialisation, all_specialisations, program_of
 
@@ -39,6 +42,7 @@ __all__ = [
     "compile_all",
     "compile_kernels",
     "default_cache_dir",
+    "kernel_macros",
     "nvrtc_problem",
     "nvrtc_version",
     "parse_ptxas_log",
@@ -296,6 +300,16 @@ def _read_sources(name: str) -> tuple[str, dict[str, str]]:
     return source, headers
 
 
+def kernel_macros() -> list[str]:
+    """The NVRTC options that give the kernels their launch shapes:
+    ``-DNORMLAB_<NAME>=<value>`` for each name of :data:`normlab.constants.CUDA_MACROS` (without
+    its ``CUDA_`` prefix), with the value :mod:`normlab.constants` holds now."""
+    return [
+        f"-DNORMLAB_{name.removeprefix('CUDA_')}={int(getattr(constants, name))}"
+        for name in constants.CUDA_MACROS
+    ]
+
+
 def compile_kernels(
     specs: Sequence[Specialisation], target: str, cache_dir: Path | None = None
 ) -> CompiledModule:
@@ -308,7 +322,7 @@ def compile_kernels(
         raise ValueError(f"one NVRTC program compiles one source file, not {sorted(files)}")
     (filename,) = files
     source, headers = _read_sources(filename)
-    options = [f"--gpu-architecture={target}", "--std=c++17"]
+    options = [f"--gpu-architecture={target}", "--std=c++17", *kernel_macros()]
     if target.startswith("sm_"):
         options.append("--ptxas-options=-v")
     expressions = [s.expression for s in specs]

@@ -27,20 +27,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from normlab.constants import ROW_CHUNK
+from normlab.constants import (
+    CUDA_LOOP_THREADS,
+    CUDA_MIN_BLOCK,
+    CUDA_PARTIAL_THREADS,
+    CUDA_SUM_COLUMNS,
+    CUDA_SUM_LANES,
+    ROW_CHUNK,
+)
 
 __all__ = [
     "BACKWARD_OPS",
     "FORWARD_OPS",
-    "LOOP_ITEMS",
-    "LOOP_THREADS",
     "MAX_GRID",
     "OPS",
-    "PARTIAL_THREADS",
     "SOURCES",
     "STAGES",
-    "SUM_COLUMNS",
-    "SUM_LANES",
     "BackwardLaunch",
     "LaunchPlan",
     "Specialisation",
@@ -85,18 +87,8 @@ CXX_TYPES: Final = {
 ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _SHORT: Final = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float64": "f64"}
 
-#: Threads per row and chunks per thread per step of ``normalize_loop`` (as in the .cu file).
-LOOP_THREADS: Final = 512
-LOOP_ITEMS: Final = 4
 #: Largest gridDim.x; the kernels stride over rows beyond it.
 MAX_GRID: Final = 2**31 - 1
-#: Fewest threads per block of ``normalize_rows`` (short rows share a block).
-_MIN_BLOCK: Final = 128
-#: Threads per block of ``weight_partials`` (one 16-byte chunk of columns each), as in the .cu.
-PARTIAL_THREADS: Final = 128
-#: Columns per block of ``sum_chunks``, and lanes per column that share out the chunks.
-SUM_COLUMNS: Final = 32
-SUM_LANES: Final = 32
 
 
 def vector_width(dtype: str) -> int:
@@ -134,8 +126,9 @@ class Specialisation:
     ``op`` is a key of :data:`OPS`; ``threads`` the number of threads per row; ``items`` the
     chunks each holds (0 for the loop kernel, which streams); ``vector``: 16-byte loads and
     stores; ``stage`` one of :data:`STAGES` (``partials`` and ``sum``: backward only, with
-    ``param_dtype == dtype``, ``items`` 0 and ``threads`` :data:`PARTIAL_THREADS` or
-    :data:`SUM_COLUMNS`).
+    ``param_dtype == dtype``, ``items`` 0 and ``threads``
+    :data:`~normlab.constants.CUDA_PARTIAL_THREADS` or
+    :data:`~normlab.constants.CUDA_SUM_COLUMNS`).
     """
 
     op: str
@@ -190,8 +183,10 @@ class Specialisation:
     def block(self) -> int:
         """Threads per block."""
         if self.stage == "sum":
-            return SUM_COLUMNS * SUM_LANES
-        return self.threads if self.loop or self.stage != "rows" else max(self.threads, _MIN_BLOCK)
+            return CUDA_SUM_COLUMNS * CUDA_SUM_LANES
+        return (
+            self.threads if self.loop or self.stage != "rows" else max(self.threads, CUDA_MIN_BLOCK)
+        )
 
     @property
     def rows_per_block(self) -> int:
@@ -217,13 +212,13 @@ def all_specialisations() -> tuple[Specialisation, ...]:
                         Specialisation(op, dtype, param, threads, items, vector)
                         for threads, items in _ladder(op, dtype)
                     )
-                    specs.append(Specialisation(op, dtype, param, LOOP_THREADS, 0, vector))
+                    specs.append(Specialisation(op, dtype, param, CUDA_LOOP_THREADS, 0, vector))
             if op in BACKWARD_OPS:
                 specs += [
-                    Specialisation(op, dtype, dtype, PARTIAL_THREADS, 0, vector, "partials")
+                    Specialisation(op, dtype, dtype, CUDA_PARTIAL_THREADS, 0, vector, "partials")
                     for vector in (True, False)
                 ]
-                specs.append(Specialisation(op, dtype, dtype, SUM_COLUMNS, 0, False, "sum"))
+                specs.append(Specialisation(op, dtype, dtype, CUDA_SUM_COLUMNS, 0, False, "sum"))
     return tuple(specs)
 
 
@@ -317,7 +312,7 @@ def _plan_rows(
     for threads, items in _ladder(op, dtype):
         if cols <= threads * items * width:
             return LaunchPlan(Specialisation(op, dtype, param, threads, items, vector), cols)
-    return LaunchPlan(Specialisation(op, dtype, param, LOOP_THREADS, 0, vector), cols)
+    return LaunchPlan(Specialisation(op, dtype, param, CUDA_LOOP_THREADS, 0, vector), cols)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,14 +336,14 @@ class BackwardLaunch:
     def partials_grid(self, rows: int) -> int:
         """Blocks of ``weight_partials``: one per (chunk, tile of columns); blocks stride over
         the pairs beyond MAX_GRID."""
-        tile = PARTIAL_THREADS * vector_width(self.partials.dtype)
+        tile = CUDA_PARTIAL_THREADS * vector_width(self.partials.dtype)
         return min(self.chunks(rows) * -(-self.cols // tile), MAX_GRID)
 
     def sum_grid(self, outputs: int) -> tuple[int, int]:
         """Blocks of ``sum_chunks`` for ``outputs`` gradients (1: dweight, 2: and dbias)."""
         if outputs not in (1, 2):
             raise ValueError(f"sum_chunks adds 1 or 2 gradients, not {outputs}")
-        return min(-(-self.cols // SUM_COLUMNS), MAX_GRID), outputs
+        return min(-(-self.cols // CUDA_SUM_COLUMNS), MAX_GRID), outputs
 
 
 def plan_backward(
@@ -373,7 +368,7 @@ def plan_backward(
     vector = rows.specialisation.vector
     return BackwardLaunch(
         rows=rows,
-        partials=Specialisation(op, dtype, dtype, PARTIAL_THREADS, 0, vector, "partials"),
-        sum=Specialisation(op, dtype, dtype, SUM_COLUMNS, 0, False, "sum"),
+        partials=Specialisation(op, dtype, dtype, CUDA_PARTIAL_THREADS, 0, vector, "partials"),
+        sum=Specialisation(op, dtype, dtype, CUDA_SUM_COLUMNS, 0, False, "sum"),
         cols=cols,
     )

@@ -1,15 +1,17 @@
 """The Numba backend: fused, parallel JIT kernels for NumPy arrays (and CPU tensors, zero-copy).
 
-``layer_norm`` and ``rms_norm`` run the same kernels (:mod:`normlab.backends.numba_kernels`),
-RMSNorm without the centring; this module turns a call into kernel arguments. ``x`` and ``out``
-are passed as they are, with any strides (no copy); float16 and bfloat16 arrays as views of
-their bit patterns (``int16`` and ``uint16``). Weight and bias are converted to the compute
-dtype (float32, or float64 for float64 x): two arrays of ``cols`` elements. An absent one is a
-cached array of ones or zeros: ``cols`` long for short rows, one segment
-(:data:`~normlab.backends.numba_kernels.SEGMENT`) long for long rows, whose kernels reuse it for
-every segment; so a call without weight or bias allocates no row-sized stand-in. An ``out``
-that is ``x``'s very memory is normalized in place. Rows of more than
-:data:`~normlab.backends.numba_kernels.LONG_ROW_BYTES` take the segmented one-pass form.
+This module holds the backend's entry points and its thread pool; the kernels are in
+:mod:`normlab.backends.numba_forward` and :mod:`normlab.backends.numba_backward` (which import
+nothing of this module). ``layer_norm`` and ``rms_norm`` run the same forward kernels, RMSNorm
+without the centring; so do their backward ops with the backward kernels. This module turns a call
+into kernel arguments, :data:`normlab.constants.ROW_CHUNK` included. ``x`` and ``out`` are passed
+as they are, with any strides (no copy); float16 and bfloat16 arrays as views of their bit patterns
+(``int16`` and ``uint16``). Weight and bias are converted to the compute dtype (float32, or float64
+for float64 x): two arrays of ``cols`` elements. An absent one is a cached array of ones or zeros:
+``cols`` long for short rows, one segment (:data:`~normlab.backends.numba_forward.SEGMENT`) long
+for long rows, whose kernels reuse it for every segment; so a call without weight or bias allocates
+no row-sized stand-in. An ``out`` that is ``x``'s very memory is normalized in place. Rows of more
+than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` take the segmented one-pass form.
 
 Threads (:class:`Pool`): inputs of fewer than :data:`SERIAL_ELEMENTS` elements run on the
 calling thread, larger ones on ``numba.get_num_threads()`` threads (a contiguous range of rows,
@@ -35,9 +37,9 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from normlab.backends import compile_notices, half_bits, numba_backward, numba_cache, numba_kernels
-from normlab.backends.numba_backward import layer_norm_backward, rms_norm_backward
-from normlab.backends.numba_kernels import (
+from normlab.backends import compile_notices, half_bits, numba_backward, numba_cache, numba_forward
+from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
+from normlab.backends.numba_forward import (
     LONG_ROW_BYTES,
     SEGMENT,
     layer_norm_rows,
@@ -47,6 +49,7 @@ from normlab.backends.numba_kernels import (
     segment_moments,
     write_segments,
 )
+from normlab.constants import ROW_CHUNK
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
 
@@ -64,7 +67,7 @@ __all__ = [
     "to_numpy",
 ]
 
-numba_cache.adopt(half_bits, numba_kernels, numba_backward)
+numba_cache.adopt(half_bits, numba_forward, numba_backward)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
@@ -160,7 +163,7 @@ def load_serial_first(
 
 
 #: The arguments of the forward kernels, without a row range or thread count:
-#: ``(x, y, w, b, eps, mean, rstd, centre)`` (see ``numba_kernels.layer_norm_rows``).
+#: ``(x, y, w, b, eps, mean, rstd, centre)`` (see ``numba_forward.layer_norm_rows``).
 RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool]
 
 
@@ -344,6 +347,91 @@ def _constant(length: int, compute: type, fill: float) -> np.ndarray:
 def _no_stats(dtype: type) -> np.ndarray:
     """An empty statistics array: the kernels skip writing statistics into it."""
     return np.empty(0, dtype)
+
+
+def layer_norm_backward(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """LayerNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        return _tensors(dy, x, mean, rstd, weight, plan, needs)
+    return _backward(dy, x, mean, rstd, weight, plan, needs)
+
+
+def rms_norm_backward(
+    dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any]:
+    """RMSNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
+    if plan.family == "torch":
+        dx, dweight, _ = _tensors(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    else:
+        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
+    return dx, dweight
+
+
+def _backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    mean: np.ndarray | None,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    plan: Plan,
+    needs: frozenset[str],
+) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both ops on NumPy arrays (``mean`` None: RMSNorm); weight already in the compute dtype
+    when it comes from a tensor."""
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    rows, cols = plan.rows, plan.cols
+    chunks = -(-rows // ROW_CHUNK)
+    w = None if weight is None else _parameter(weight, compute, cols, 1.0)
+    mean = np.empty(0, rstd.dtype) if mean is None else mean
+    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
+    dw_parts = np.empty((chunks, cols), compute)
+    db_parts = np.empty((chunks, cols), compute)
+    args = (_as_bits(dy, plan.dtype), _as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
+    held = POOL.acquire(rows * cols)
+    try:
+        if min(held, chunks) > 1:
+            serial = (backward_chunks, (*args, dw_parts, db_parts, ROW_CHUNK, 0, 0))
+            load_serial_first(backward_chunks_parallel, (*args, dw_parts, db_parts), serial)
+            backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, min(held, chunks))
+        else:
+            backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
+    finally:
+        POOL.release(held)
+    dweight = dbias = None
+    if "weight" in needs:
+        dweight = np.empty(cols, compute)
+        sum_chunks(dw_parts, dweight)
+    if "bias" in needs:
+        dbias = np.empty(cols, compute)
+        sum_chunks(db_parts, dbias)
+    return dx, dweight, dbias
+
+
+def _tensors(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
+) -> tuple[Any, Any, Any]:
+    """CPU tensors: zero-copy NumPy views in, tensors out (none may require grad)."""
+    import torch
+
+    _refuse_grad(dy, x, mean, rstd, weight)
+    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
+    dx, dweight, dbias = _backward(
+        _tensor_as_numpy(dy),
+        _tensor_as_numpy(x),
+        None if mean is None else mean.numpy(),
+        rstd.numpy(),
+        _tensor_parameter(weight, compute),
+        plan,
+        needs,
+    )
+    return (
+        None if dx is None else _numpy_as_tensor(dx, plan.dtype),
+        None if dweight is None else torch.from_numpy(dweight),
+        None if dbias is None else torch.from_numpy(dbias),
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The Numba backward kernels of LayerNorm and RMSNorm, and the backend functions that call them.
+"""The Numba backward kernels of LayerNorm and RMSNorm (the backend functions that call them:
+:mod:`normlab.backends.numba_backend`).
 
 Per row (see :mod:`normlab.backward`)::
 
@@ -8,26 +9,21 @@ Per row (see :mod:`normlab.backward`)::
     dweight, dbias = Σ_rows dy * x̂, Σ_rows dy
 
 RMSNorm is the same kernel with ``mean = res = 0`` and without the ``mean(g)`` term. Elements are
-read and written as in :mod:`normlab.backends.numba_kernels` (float16/bfloat16 as bit patterns,
+read and written as in :mod:`normlab.backends.numba_forward` (float16/bfloat16 as bit patterns,
 computed in float32), whose ``load``/``store``/``narrow`` helpers these kernels use: a row of x
 or dy that is not contiguous compute-dtype data (half bits, strided) is decoded once, during the
 first sweep, into a scratch row of the thread, which the second sweep reads; dx is rounded once
-as it is written. Row sums are blocked as in the forward (compute dtype within a block, float64
-across blocks). Without weight the kernels are compiled without the multiply (``w`` is None),
-so no row of ones is made.
+as it is written. Row sums are blocked as in the forward (compute dtype within a block of
+:data:`BLOCK` elements, float64 across blocks). Without weight the kernels are compiled without the
+multiply (``w`` is None), so no row of ones is made.
 
-dweight and dbias are reduced without atomics or locks: the rows are cut into chunks of
-:data:`~normlab.constants.ROW_CHUNK`; each chunk's column sums of ``dy * x̂`` and ``dy`` (in the
-compute dtype: at most ROW_CHUNK terms each) go to its own row of a partial-sums array, and the
-chunks are added in chunk order, in float64, at the end. Threads take whole chunks, so the
-result does not depend on the number of threads, bit for bit; the threads come from the
-forward's pool (:class:`normlab.backends.numba_backend.Pool`: one parallel caller at a time,
-none in a forked child).
-
-CPU torch tensors (when the caller names ``backend="numba"``) are read through ``Tensor.numpy()``
-views, as in :mod:`normlab.backends.numba_backend`; for tensors that require grad the core runs
-these functions through the custom op ``normlab::layer_norm_backward`` (:mod:`normlab.autograd`),
-which keeps them in the graph; a tensor that requires grad reaching them is refused.
+dweight and dbias are reduced without atomics or locks: the rows are cut into chunks of ``chunk``
+rows (:data:`~normlab.constants.ROW_CHUNK`); each chunk's column sums of ``dy * x̂`` and ``dy`` (in
+the compute dtype: at most ``chunk`` terms each) go to its own row of a partial-sums array, and the
+chunks are added in chunk order, in float64, at the end. Threads take whole chunks, so the result
+does not depend on the number of threads, bit for bit. ``chunk`` is an argument, never a global (see
+:mod:`normlab.backends.numba_forward`: numba would freeze it into its cache). The entry points
+(NumPy arrays, CPU tensors; the thread pool) are in :mod:`normlab.backends.numba_backend`.
 """
 
 from __future__ import annotations
@@ -38,20 +34,21 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from normlab.backends.numba_kernels import BLOCK, FASTMATH, _sub, load, narrow, store
-from normlab.constants import ROW_CHUNK
-from normlab.hookspecs import Plan
+from normlab.backends.numba_forward import FASTMATH, load, narrow, store, sub_exact
 
+#: Elements per block of a row sum (compute dtype within, float64 across blocks). This module's
+#: own constant, not the forward's: numba would freeze another file's value into these kernels'
+#: cache (see :mod:`normlab.backends.numba_forward`).
+BLOCK: Final = 256
 #: Elements per tile of a row's second sweep: dx, then the tile's partial sums while its x and
 #: dy are still in L1.
 TILE: Final = 1024
 
 __all__ = [
+    "BLOCK",
     "TILE",
     "backward_chunks",
     "backward_chunks_parallel",
-    "layer_norm_backward",
-    "rms_norm_backward",
     "sum_chunks",
 ]
 
@@ -167,7 +164,7 @@ def _backward_row(
     # (Two loops per tile, the second reading x and dy from L1: LLVM vectorises a loop only when
     # it can check cheaply at run time that its arrays do not overlap, which a loop writing dx,
     # pw and pb besides three inputs exceeds.)
-    # dyr, xr: one row of dy and x (elements as in numba_kernels; any stride).
+    # dyr, xr: one row of dy and x (elements as in numba_forward; any stride).
     # dys, xs: scratch rows (compute dtype, length n) of the thread.
     # m, r: the row's mean (0 for RMSNorm) and rstd, float64. w: weight, compute dtype, length
     # n, or None (no weight: g = dy). dxr: the row of dx to write (x's element type), or None.
@@ -194,7 +191,7 @@ def _backward_row(
             dyv = load(dyb[j])
             keep(xsb, j, xv, xr)
             keep(dysb, j, dyv, dyr)
-            d = _sub(xv, mc)
+            d = sub_exact(xv, mc)
             g = weighted(dyv, wb, j)
             part_d += d
             part_g += g
@@ -218,12 +215,12 @@ def _backward_row(
             wt = weight_span(w, start, start + TILE)
             dxt = dxr[start : start + TILE]
             for j in range(xt.shape[0]):
-                xhat = _sub(_sub(xt[j], mc), resc) * rc
+                xhat = sub_exact(sub_exact(xt[j], mc), resc) * rc
                 dxt[j] = store(rc * (weighted(dyt[j], wt, j) - mean_gc - xhat * mean_gxc), dxt)
         pwt = pw[start : start + TILE]
         pbt = pb[start : start + TILE]
         for j in range(xt.shape[0]):
-            pwt[j] += dyt[j] * (_sub(_sub(xt[j], mc), resc) * rc)
+            pwt[j] += dyt[j] * (sub_exact(sub_exact(xt[j], mc), resc) * rc)
             pbt[j] += dyt[j]
 
 
@@ -242,13 +239,14 @@ def backward_chunks(
     last: int,
 ) -> None:
     # The backward of chunks first..last-1 (rows c*chunk .. (c+1)*chunk-1 of chunk c), on this
-    # thread. dy, x: 2-D (rows, cols), any strides, elements as in numba_kernels; a row that is
+    # thread. dy, x: 2-D (rows, cols), any strides, elements as in numba_forward; a row that is
     # not contiguous compute-dtype data (float16/bfloat16 bits, strided) is decoded into a
     # scratch row of the thread during its first sweep (_backward_row). mean: 1-D (rows,)
     # float32/float64, or empty for RMSNorm. rstd: 1-D (rows,). w: compute dtype, contiguous,
     # length cols, or None (no weight). dx: 2-D like x to write, or None.
     # dw_parts, db_parts: (chunks, cols), compute dtype; row c receives chunk c's column sums
     # (summed in two scratch rows of the thread, which the compiler knows overlap nothing).
+    # chunk: rows per chunk (normlab.constants.ROW_CHUNK, an argument: see the module docstring).
     rows, cols = x.shape
     centre = mean.shape[0] != 0
     x_scratch = np.empty(cols, rstd.dtype)
@@ -268,8 +266,9 @@ def backward_chunks(
                 _backward_row(
                     dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, dx[i], pw, pb, centre
                 )
-        dw_parts[c] = pw
-        db_parts[c] = pb
+        for j in range(cols):  # not dw_parts[c] = pw: its shape check compiles string code
+            dw_parts[c, j] = pw[j]
+            db_parts[c, j] = pb[j]
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -306,92 +305,3 @@ def sum_chunks(parts: Any, out: Any) -> None:
             total[j] += np.float64(parts[c, j])
     for j in range(parts.shape[1]):
         out[j] = total[j]
-
-
-def layer_norm_backward(
-    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
-) -> tuple[Any, Any, Any]:
-    """LayerNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
-    if plan.family == "torch":
-        return _tensors(dy, x, mean, rstd, weight, plan, needs)
-    return _backward(dy, x, mean, rstd, weight, plan, needs)
-
-
-def rms_norm_backward(
-    dy: Any, x: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
-) -> tuple[Any, Any]:
-    """RMSNorm's gradients of the 2-D ``x`` (any strides); see :mod:`normlab.backward`."""
-    if plan.family == "torch":
-        dx, dweight, _ = _tensors(dy, x, None, rstd, weight, plan, needs - {"bias"})
-    else:
-        dx, dweight, _ = _backward(dy, x, None, rstd, weight, plan, needs - {"bias"})
-    return dx, dweight
-
-
-def _backward(
-    dy: np.ndarray,
-    x: np.ndarray,
-    mean: np.ndarray | None,
-    rstd: np.ndarray,
-    weight: np.ndarray | None,
-    plan: Plan,
-    needs: frozenset[str],
-) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """Both ops on NumPy arrays (``mean`` None: RMSNorm); weight already in the compute dtype
-    when it comes from a tensor."""
-    from normlab.backends import numba_backend as nb  # at call time: it imports this module
-
-    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
-    rows, cols = plan.rows, plan.cols
-    chunks = -(-rows // ROW_CHUNK)
-    w = None if weight is None else nb._parameter(weight, compute, cols, 1.0)
-    mean = np.empty(0, rstd.dtype) if mean is None else mean
-    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
-    dx_bits = None if dx is None else nb._as_bits(dx, plan.dtype)
-    dw_parts = np.empty((chunks, cols), compute)
-    db_parts = np.empty((chunks, cols), compute)
-    args = (nb._as_bits(dy, plan.dtype), nb._as_bits(x, plan.dtype), mean, rstd, w, dx_bits)
-    held = nb.POOL.acquire(rows * cols)
-    try:
-        if min(held, chunks) > 1:
-            serial = (backward_chunks, (*args, dw_parts, db_parts, ROW_CHUNK, 0, 0))
-            nb.load_serial_first(backward_chunks_parallel, (*args, dw_parts, db_parts), serial)
-            backward_chunks_parallel(*args, dw_parts, db_parts, ROW_CHUNK, min(held, chunks))
-        else:
-            backward_chunks(*args, dw_parts, db_parts, ROW_CHUNK, 0, chunks)
-    finally:
-        nb.POOL.release(held)
-    dweight = dbias = None
-    if "weight" in needs:
-        dweight = np.empty(cols, compute)
-        sum_chunks(dw_parts, dweight)
-    if "bias" in needs:
-        dbias = np.empty(cols, compute)
-        sum_chunks(db_parts, dbias)
-    return dx, dweight, dbias
-
-
-def _tensors(
-    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, plan: Plan, needs: frozenset[str]
-) -> tuple[Any, Any, Any]:
-    """CPU tensors: zero-copy NumPy views in, tensors out (none may require grad)."""
-    import torch
-
-    from normlab.backends import numba_backend as nb
-
-    nb._refuse_grad(dy, x, mean, rstd, weight)
-    compute = np.float64 if plan.compute_dtype == "float64" else np.float32
-    dx, dweight, dbias = _backward(
-        nb._tensor_as_numpy(dy),
-        nb._tensor_as_numpy(x),
-        None if mean is None else mean.numpy(),
-        rstd.numpy(),
-        nb._tensor_parameter(weight, compute),
-        plan,
-        needs,
-    )
-    return (
-        None if dx is None else nb._numpy_as_tensor(dx, plan.dtype),
-        None if dweight is None else torch.from_numpy(dweight),
-        None if dbias is None else torch.from_numpy(dbias),
-    )

@@ -20,11 +20,11 @@
 //
 // dweight and dbias are reduced without atomics, in an order fixed by the shape alone (never by
 // the grid or the GPU), so that every run gives the same bits:
-//   weight_partials  the rows are cut into chunks of ROW_CHUNK = 32; for each chunk and column
-//                    one thread adds the chunk's rows in row order (in A, with fma) into row
-//                    `chunk` of a (chunks, cols) workspace
+//   weight_partials  the rows are cut into chunks of ROW_CHUNK rows (shapes.cuh); for each
+//                    chunk and column one thread adds the chunk's rows in row order (in A, with
+//                    fma) into row `chunk` of a (chunks, cols) workspace
 //   sum_chunks       per column, the chunks' partial sums added in a fixed order in double:
-//                    chunk k to lane k % 32 in chunk order, then the 32 lanes in lane order;
+//                    chunk k to lane k % SUM_LANES in chunk order, then the lanes in order;
 //                    rounded once to A
 //
 // Four kernels, templates over the element type T, the weight type P (T, or float when T is a
@@ -42,16 +42,8 @@
 
 namespace normlab {
 
-// Rows per partial sum of dweight and dbias (normlab.constants.ROW_CHUNK).
-constexpr int ROW_CHUNK = 32;
-// Threads per row and chunks per thread per step of backward_loop.
-constexpr int GRAD_LOOP_THREADS = 512;
+// Chunks per thread per step of backward_loop (LOOP_THREADS threads per row, shapes.cuh).
 constexpr int GRAD_LOOP_ITEMS = 2;
-// Threads per block of weight_partials: each takes one 16-byte chunk of columns of a row chunk.
-constexpr int PARTIAL_THREADS = 128;
-// sum_chunks: columns per block, and lanes (threads) per column that share out the chunks.
-constexpr int SUM_COLUMNS = 32;
-constexpr int SUM_LANES = 32;
 
 // The row sums a thread adds: sum(d), sum(g), sum(g * d) for LayerNorm; sum(g * d) for RMSNorm.
 template <bool CENTRE, typename A>
@@ -193,12 +185,12 @@ backward_rows(
   }
 }
 
-// dx of one row per block of GRAD_LOOP_THREADS threads, any row length: the row sums added over
-// steps of GRAD_LOOP_THREADS * GRAD_LOOP_ITEMS chunks, then dx written in a second sweep (last
+// dx of one row per block of LOOP_THREADS threads, any row length: the row sums added over
+// steps of LOOP_THREADS * GRAD_LOOP_ITEMS chunks, then dx written in a second sweep (last
 // step first) that re-reads x and dy. Arguments as for backward_rows. Grid: any size; blocks
 // stride over the rows.
 template <typename T, typename P, bool CENTRE, bool VECTOR>
-__global__ void __launch_bounds__(GRAD_LOOP_THREADS, 1) backward_loop(
+__global__ void __launch_bounds__(LOOP_THREADS, 1) backward_loop(
     const T* DY,                                         // dy: row r at DY + r * dy_row_stride
     const T* X,                                          // x: row r at X + r * x_row_stride
     const typename Accumulator<T>::type* __restrict__ Mean,  // (rows,) forward means (CENTRE)
@@ -215,8 +207,8 @@ __global__ void __launch_bounds__(GRAD_LOOP_THREADS, 1) backward_loop(
   using A = typename Accumulator<T>::type;
   using S = GradSums<CENTRE, A>;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
-  constexpr int WARPS = GRAD_LOOP_THREADS / 32;
-  constexpr long long STEP = static_cast<long long>(GRAD_LOOP_THREADS) * VEC;
+  constexpr int WARPS = LOOP_THREADS / 32;
+  constexpr long long STEP = static_cast<long long>(LOOP_THREADS) * VEC;
   constexpr long long SWEEP = STEP * GRAD_LOOP_ITEMS;  // columns per step
   __shared__ S partial[WARPS];
   const int t = static_cast<int>(threadIdx.x);

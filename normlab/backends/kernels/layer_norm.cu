@@ -215,10 +215,6 @@ normalize_rows(
   }
 }
 
-// Threads per row and chunks per thread per step of normalize_loop.
-constexpr int LOOP_THREADS = 512;
-constexpr int LOOP_ITEMS = 4;
-
 // One row per block of LOOP_THREADS threads, any row length: statistics merged over steps of
 // LOOP_THREADS * LOOP_ITEMS chunks, then y written in a second sweep (last step first) that
 // re-reads x. Arguments as for normalize_rows. Grid: any size; blocks stride over the rows.

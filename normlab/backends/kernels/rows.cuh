@@ -4,6 +4,8 @@
 // Shared by the forward (layer_norm.cu) and the backward (backward.cu) kernels.
 #pragma once
 
+#include "shapes.cuh"
+
 namespace normlab {
 
 // The two 16-bit float formats, as storage only (the kernels compute in float). Defined here
@@ -131,12 +133,13 @@ __device__ __forceinline__ void store_chunk(T* Row, long long c, int n, const A 
   }
 }
 
-// Threads per block of the row-resident kernels, normalize_rows and backward_rows (at least 128,
-// so short rows share a block), and the blocks per SM asked of ptxas: 512 threads, so up to 128 registers per thread. Stating it keeps
-// ptxas from trading a few spills for occupancy on its own.
+// Threads per block of the row-resident kernels, normalize_rows and backward_rows (at least
+// MIN_BLOCK, so short rows share a block), and the blocks per SM asked of ptxas: 512 threads, so
+// up to 128 registers per thread. Stating it keeps ptxas from trading a few spills for occupancy
+// on its own.
 template <int THREADS>
 struct RowsBlock {
-  static constexpr int threads = THREADS < 128 ? 128 : THREADS;
+  static constexpr int threads = THREADS < MIN_BLOCK ? MIN_BLOCK : THREADS;
   static constexpr int min_blocks = 512 / threads;
 };
 
