@@ -190,7 +190,7 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
         plan.device_kind,
         plan.dtype,
         plan.requires_grad,
-        costs.bucket(plan),
+        (plan.rows * plan.cols).bit_length(),  # with the dtype: costs.bucket, inlined
         named,
         preference,
     )

@@ -103,7 +103,8 @@ def layer_norm(
                 kept = torch.native_layer_norm(x[good], shape, weight, bias, plan.eps)[0]
                 y = torch.zeros_like(y).index_put((good,), kept)
             y, (mean, rstd) = _repair(x, weight, bias, plan, _indices(bad), y, (mean, rstd))
-    y = y.to(given.dtype)
+    if x is not given:
+        y = y.to(given.dtype)
     if not plan.return_stats:
         return y, None, None
     return y, mean.reshape(plan.rows), rstd.reshape(plan.rows)
