@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
+from normlab.errors import DtypeError
 from normlab.hookspecs import Plan
 
 __all__ = [
@@ -207,14 +208,19 @@ def to_numpy(a: Any) -> Any:
 
 def from_numpy(a: Any, like: Any = None) -> Any:
     """A copy of the NumPy array ``a`` in ``like``'s namespace, on its device; without ``like``
-    an ``array_api_strict`` array (the Array API's reference client)."""
-    if like is not None:
-        return like.__array_namespace__().asarray(a, device=like.device, copy=True)
+    an ``array_api_strict`` array (the Array API's reference client). A dtype the namespace
+    lacks (array_api_strict has no float16) is a :class:`DtypeError`."""
+    if like is None:
+        try:
+            import array_api_strict
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "the array_api backend's test arrays are array_api_strict arrays: "
+                "pip install array-api-strict"
+            ) from exc
     try:
-        import array_api_strict
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            "the array_api backend's test arrays are array_api_strict arrays: "
-            "pip install array-api-strict"
-        ) from exc
-    return array_api_strict.asarray(a, copy=True)
+        if like is not None:
+            return like.__array_namespace__().asarray(a, device=like.device, copy=True)
+        return array_api_strict.asarray(a, copy=True)
+    except TypeError as exc:  # the namespace has no such dtype
+        raise DtypeError(f"cannot make {a.dtype} arrays of this Array API library: {exc}") from exc
