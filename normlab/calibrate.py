@@ -46,13 +46,18 @@ class Measurement:
 
 
 def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``(fixed_us, bytes_per_us)`` of the least-squares line ``us = fixed + bytes / rate``
-    through ``(x_bytes, us)`` points; the fixed cost is at least 0, the rate positive."""
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
-    slope = max(slope, 1e-9)  # us per byte: never free, never negative
+    """``(fixed_us, bytes_per_us)`` of the line ``us = fixed + bytes / rate`` through
+    ``(x_bytes, us)`` points, by least squares of the relative error (a 3 µs call counts as much
+    as a 3 ms one); the fixed cost is at least 0, the rate positive."""
+    weights = [1.0 / max(y, 1e-9) ** 2 for _, y in points]
+    sw = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / sw
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points, strict=True)) / sw
+    spread = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
+    covariance = sum(
+        w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points, strict=True)
+    )
+    slope = max(covariance / spread if spread else 0.0, 1e-9)  # µs per byte: never free
     fixed = max(mean_y - slope * mean_x, 0.0)
     return fixed, 1.0 / slope
 

@@ -256,7 +256,8 @@ def _backend_table(backends: Iterable[Backend]) -> Table:
     each serves, its priority and source. ``normlab info NAME`` shows the rest."""
     table = Table(
         title="normlab backends",
-        caption="* served only when named: backend=NAME or use_backend(NAME)",
+        caption="+ served zero-copy, chosen by cost; * served only when named: backend=NAME or "
+        "use_backend(NAME)",
     )
     table.add_column("backend", no_wrap=True)
     table.add_column("status", overflow="fold", ratio=3)
@@ -281,7 +282,8 @@ def _status(b: Backend) -> Text:
 
 
 def _families(b: Backend) -> list[str]:
-    return sorted(b.families) + [f"{f}*" for f in sorted(b.explicit_families)]
+    zero_copy = [f"{f}+" for f in sorted(b.zero_copy_families)]
+    return sorted(b.families) + zero_copy + [f"{f}*" for f in sorted(b.explicit_families)]
 
 
 def _info_one(name: str, console: Console) -> int:
@@ -312,6 +314,8 @@ def _info_one(name: str, console: Console) -> int:
     for field, value in fields:
         table.add_row(field, value)
     console.print(table)
+    if b.zero_copy_families:
+        console.print("+ served zero-copy, chosen by cost against the family's own backend")
     if b.explicit_families:
         console.print("* served only when named: backend=NAME or use_backend(NAME)")
     return 0

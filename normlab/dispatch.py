@@ -52,6 +52,7 @@ logger: Final = logging.getLogger("normlab.dispatch")
 _preference: ContextVar[str | None] = ContextVar("normlab_backend_preference", default=None)
 _UNREAD: Final = object()
 _env_preference: Any = _UNREAD
+_env_torch_default: Any = _UNREAD
 _choices: dict[tuple[Any, ...], Choice] = {}
 _generation = -1
 
@@ -115,11 +116,30 @@ def _environment_preference() -> str | None:
     return _env_preference  # type: ignore[no-any-return]
 
 
+def _torch_to_torch() -> bool:
+    """``NORMLAB_TORCH_DEFAULT=torch``: torch tensors go to the torch backend unless a call
+    names another (no zero-copy service of them chosen by cost); read once, as
+    ``NORMLAB_BACKEND``."""
+    global _env_torch_default
+    if _env_torch_default is _UNREAD:
+        value = os.environ.get("NORMLAB_TORCH_DEFAULT") or "auto"
+        if value not in ("torch", "auto"):
+            warnings.warn(
+                f"NORMLAB_TORCH_DEFAULT={value!r} is neither 'torch' nor 'auto'; using 'auto'",
+                NormlabWarning,
+                stacklevel=5,
+            )
+        _env_torch_default = value == "torch"
+    return _env_torch_default  # type: ignore[no-any-return]
+
+
 def clear_caches() -> None:
-    """Forget cached choices and re-read ``NORMLAB_BACKEND`` on the next call."""
-    global _env_preference
+    """Forget cached choices and re-read ``NORMLAB_BACKEND`` and ``NORMLAB_TORCH_DEFAULT`` on
+    the next call."""
+    global _env_preference, _env_torch_default
     _choices.clear()
     _env_preference = _UNREAD
+    _env_torch_default = _UNREAD
 
 
 def refusal(backend: Backend, plan: Plan, named: bool) -> str | None:
@@ -143,6 +163,8 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
     families = backend.families | backend.zero_copy_families
     if named:
         families |= backend.explicit_families
+    elif plan.family == "torch" and "torch" not in backend.families and _torch_to_torch():
+        families -= {"torch"}  # NORMLAB_TORCH_DEFAULT=torch
     if plan.family not in families:
         served = ", ".join(sorted(backend.families))
         extra = ""
@@ -150,6 +172,8 @@ def _mismatch(backend: Backend, plan: Plan, named: bool) -> str | None:
             extra = (
                 f"; it serves {plan.family} arrays only when named with backend={backend.name!r}"
             )
+        elif plan.family in backend.zero_copy_families:
+            extra = "; NORMLAB_TORCH_DEFAULT=torch keeps torch tensors on torch unless named"
         return f"serves {served} arrays, not {plan.family}{extra}"
     if plan.device_kind not in backend.devices:
         return f"serves devices {', '.join(sorted(backend.devices))}, not {plan.device}"

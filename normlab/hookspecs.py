@@ -150,6 +150,8 @@ def _deprecated_routing_field(name: str) -> property:
             DeprecationWarning,
             stacklevel=2,
         )
+        if plan._layout is None:  # a plan the core made for one backend call (a custom op)
+            raise AttributeError(f"Plan.{name}: this plan carries no routing (deprecated field)")
         return getattr(plan._layout, name)
 
     return property(read, doc=f"Deprecated: the core's routing ({name}); see PLAN_FIELDS.")
@@ -163,6 +165,7 @@ DEPRECATED_PLAN_FIELDS: Final = (
     "has_out",
     "out_strides",
     "out_stats",
+    "dispatch_key",
     "routes",
     "non_native",
 )

@@ -125,6 +125,12 @@ class Layout:
     def x_native(self) -> bool:
         return "x" not in self.non_native
 
+    @property
+    def dispatch_key(self) -> tuple[Any, ...]:
+        """What the choice of backend depends on, besides size (:func:`normlab.dispatch.choose`)."""
+        p = self.plan
+        return (p.op, p.family, p.device_kind, p.dtype, p.requires_grad)
+
 
 #: Plans of every op, keyed by the op's name and its arguments' metadata.
 _cache: dict[tuple[Any, ...], Any] = {}

@@ -139,10 +139,13 @@ def test_output_fits_80_columns(
         )
 
 
-def test_info_marks_explicit_families(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_info_marks_zero_copy_and_explicit_families(
+    wide: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(["info"]) == 0
-    numba_row = next(line for line in capsys.readouterr().out.splitlines() if "│ numba " in line)
-    assert "numpy, torch*" in numba_row
+    lines = capsys.readouterr().out.splitlines()
+    assert "numpy, torch+" in next(line for line in lines if "│ numba " in line)
+    assert "cupy, torch*" in next(line for line in lines if "│ cupy " in line)
 
 
 def test_info_survives_failing_checks(
@@ -221,12 +224,12 @@ def test_check_forwards_profile_and_pytest_args(monkeypatch: pytest.MonkeyPatch)
     assert cli.main(["check", "numpy", "--profile", "full", "--", "-x", "-k", "offset"]) == 7
     assert cli.main(["check", "numpy", "--allow-unavailable", "--json", "r.json"]) == 7
     assert cli.main(["check", "numpy", "--verbose"]) == 7
-    assert cli.main(["check", "numba", "--arrays", "torch"]) == 7
+    assert cli.main(["check", "numpy", "--arrays", "torch"]) == 7
     assert calls == [
         ("numpy", "full", False, None, None, (*short, "-x", "-k", "offset")),
         ("numpy", "ci", True, None, "r.json", short),
         ("numpy", "ci", False, None, None, ()),
-        ("numba", "ci", False, "torch", None, short),
+        ("numpy", "ci", False, "torch", None, short),
     ]
 
 

@@ -19,7 +19,7 @@ import pytest
 from plugins_for_tests import FakeArray, record
 
 import normlab
-from normlab import costs, dispatch, spec
+from normlab import costs, dispatch, registry, spec
 from normlab.hookspecs import CostModel, Plan, cost_table
 
 Register = Callable[..., ModuleType]
@@ -159,3 +159,63 @@ def test_zero_copy_families_are_eligible_by_default_explicit_ones_only_when_name
         "asked (priority 98): serves fakelib arrays, not numpy; it serves numpy arrays only "
         "when named" in text
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The built-in backends' shipped models
+
+
+OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+
+
+def test_the_shipped_models_cover_every_builtin_choice() -> None:
+    """numpy and numba on NumPy arrays, torch and numba on CPU torch tensors: a model for every
+    op and dtype, so that cost, not priority, decides between them."""
+    from normlab.backends import BUILTIN_RECORDS
+
+    records = {r.name: r for r in BUILTIN_RECORDS}
+    for name, family in (
+        ("numpy", "numpy"),
+        ("numba", "numpy"),
+        ("numba", "torch"),
+        ("torch", "torch"),
+    ):
+        for op in OPS:
+            model = records[name].costs[f"{op}:{family}"]
+            assert set(model.bytes_per_us) == set(records[name].dtypes), (name, op, family)
+
+
+def _torch_choice(rows: int, cols: int = 1024) -> str:
+    torch = pytest.importorskip("torch")
+    return _chosen(torch.ones(rows, cols))
+
+
+def test_a_cpu_tensor_goes_to_the_cheaper_of_torch_and_numba() -> None:
+    """The default for a CPU torch tensor is whichever of torch and numba (zero-copy) the shipped
+    models estimate cheaper for its size; explain() prints both estimates."""
+    torch = pytest.importorskip("torch")
+    numba, torch_backend = registry.get("numba"), registry.get("torch")
+    if not numba.available:
+        pytest.skip("numba is not installed")
+    for rows in (1, 64, 4096):
+        plan = _plan(torch.ones(rows, 1024))
+        estimates = {b.name: costs.estimate_us(b, plan) for b in (numba, torch_backend)}
+        assert _torch_choice(rows) == min(estimates, key=lambda n: estimates[n]), estimates
+    text = normlab.explain(torch.ones(4096, 1024))
+    assert "numba (priority 20): " in text and "estimated" in text
+
+
+def test_normlab_torch_default_keeps_tensors_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("NORMLAB_TORCH_DEFAULT", "torch")
+    dispatch.clear_caches()
+    assert _torch_choice(4096) == "torch" and _torch_choice(1) == "torch"
+    assert "NORMLAB_TORCH_DEFAULT=torch keeps torch tensors on torch" in normlab.explain(
+        torch.ones(8, 8)
+    )
+    if registry.get("numba").available:  # naming numba still works
+        assert isinstance(normlab.layer_norm(torch.ones(8, 8), backend="numba"), torch.Tensor)
+    monkeypatch.setenv("NORMLAB_TORCH_DEFAULT", "numba")
+    dispatch.clear_caches()
+    with pytest.warns(normlab.NormlabWarning, match="neither 'torch' nor 'auto'"):
+        _torch_choice(8)

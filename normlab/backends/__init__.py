@@ -7,13 +7,24 @@ first considered, and each backend module imports its library inside itself.
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 from typing import Final
 
-from normlab.hookspecs import ARRAY_API, BackendRecord, hookimpl
+from normlab.hookspecs import ARRAY_API, BackendRecord, CostModel, cost_table, hookimpl
 
 __all__ = ["BUILTIN_RECORDS", "normlab_backends"]
 
 _FLOATS: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def _shipped_costs() -> dict[str, dict[str, CostModel]]:
+    """The built-in backends' cost models: ``normlab calibrate`` on a 2-core x86-64 VM, idle
+    (``costs.json`` beside this module; a machine's own calibration replaces them)."""
+    return cost_table(json.loads(Path(__file__).with_name("costs.json").read_text()))
+
+
+_COSTS: Final = _shipped_costs()
 
 
 def _installed(module: str) -> str | None:
@@ -54,6 +65,7 @@ BUILTIN_RECORDS: Final = (
         priority=10,
         capabilities=frozenset({"strided", "out", "inplace"}),
         check=_numpy_check,
+        costs=_COSTS.get("numpy", {}),
         library="numpy",
         description="cache-blocked NumPy ufuncs; float32 accumulation for half types",
     ),
@@ -66,8 +78,9 @@ BUILTIN_RECORDS: Final = (
         priority=20,
         ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
         capabilities=frozenset({"strided", "out", "inplace"}),
-        explicit_families=frozenset({"torch"}),
+        zero_copy_families=frozenset({"torch"}),
         check=_numba_check,
+        costs=_COSTS.get("numba", {}),
         library="numba",
         description="fused, parallel Numba JIT kernels (prange over rows)",
     ),
@@ -81,6 +94,7 @@ BUILTIN_RECORDS: Final = (
         priority=10,
         capabilities=frozenset({"autograd"}),
         check=_torch_check,
+        costs=_COSTS.get("torch", {}),
         library="torch",
         description="torch.nn.functional.layer_norm (autograd kept)",
     ),
