@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--arrays",
         metavar="FAMILY",
-        help="drive the backend with FAMILY arrays, which its record serves explicitly, on its "
+        help="drive the backend with FAMILY arrays, which its record serves beside its own, on its "
         "device (cupy: --arrays torch tests CUDA tensors)",
     )
     check.add_argument(

@@ -1,6 +1,6 @@
 """normlab.testing.conversions: dtypes by name, the layouts tests make, NumPy copies of any
 family's arrays, and the suite's option to drive a backend with arrays of a family it serves
-explicitly (``--normlab-arrays``, ``check(arrays=)``)."""
+beside its own (``--normlab-arrays``, ``check(arrays=)``)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_copies_to_numpy() -> None:
     np.testing.assert_array_equal(as_float64(t), np.arange(6.0).reshape(2, 3))
 
 
-def test_a_backend_is_driven_only_with_a_family_it_serves_explicitly() -> None:
+def test_a_backend_is_driven_only_with_a_family_it_serves_beside_its_own() -> None:
     with pytest.raises(ValueError, match="backend 'numpy' is not driven by torch arrays"):
         drive("numpy", "torch")
     assert driven_family("numpy") is None

@@ -50,7 +50,7 @@ def check(
     ``allow_unavailable``: a backend unavailable here has its tests skipped with the reason
     (exit 0) instead of stopping the run; a backend that cannot load stops it either way
     (:func:`normlab.testing.preflight.obstacle`, exit 4). ``arrays``: drive the backend with
-    arrays of this family, one its record serves explicitly (``check("cupy", arrays="torch")``:
+    arrays of this family, one its record serves beside its own (``check("cupy", arrays="torch")``:
     CUDA torch tensors), instead of its own. ``json_path``: write every test's
     result there as JSON (:mod:`normlab.testing.report`).
     ``extra_pytest_args`` go to pytest as they are (``-k``, ``-x``, ``--normlab-xfail ID``…);

@@ -4,7 +4,7 @@ One place for what every test module needs around arrays: the NumPy or torch dty
 name (bfloat16 from ml_dtypes), an array's dtype name, NumPy copies of NumPy, torch and CuPy
 arrays (any device), the memory layouts the suite and the fuzzers test, and the conversions by
 which the conformance suite makes and reads a backend's arrays (:func:`conversion`; a backend can
-be driven with arrays of a family it serves explicitly, say CUDA torch tensors through ``cupy``:
+be driven with arrays of a family it serves beside its own, say CUDA torch tensors through ``cupy``:
 :func:`drive`). torch, ml_dtypes, CuPy and array_api_compat are imported when used.
 """
 
@@ -230,9 +230,10 @@ _DRIVEN: dict[str, str] = {}
 
 def drive(backend: str, family: str | None) -> None:
     """Make the suite drive ``backend`` with arrays of ``family`` (None: its record's own, the
-    default), on the backend's device. ``family`` must be one the record serves explicitly
-    (``explicit_families``), and a backend that serves it (its ``families``) must be
-    registered: its ``from_numpy``/``to_numpy`` convert, then the array moves to the device.
+    default), on the backend's device. ``family`` must be one the record serves beside its own
+    (``zero_copy_families`` or ``explicit_families``), and a backend that serves it (its
+    ``families``) must be registered: its ``from_numpy``/``to_numpy`` convert, then the array
+    moves to the device.
 
     Raises ValueError when the backend does not serve ``family``.
     """
@@ -240,11 +241,12 @@ def drive(backend: str, family: str | None) -> None:
         _DRIVEN.pop(backend, None)
         return
     record = registry.get(backend)
-    if family not in record.explicit_families:
-        served = ", ".join(sorted(record.explicit_families)) or "none"
+    borrowed = record.zero_copy_families | record.explicit_families
+    if family not in borrowed:
         raise ValueError(
             f"backend {backend!r} is not driven by {family} arrays: its record serves "
-            f"{', '.join(sorted(record.families))} arrays, and explicitly {served}"
+            f"{', '.join(sorted(record.families))} arrays, and beside them "
+            f"{', '.join(sorted(borrowed)) or 'none'}"
         )
     _owner(family)
     _DRIVEN[backend] = family
