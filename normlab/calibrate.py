@@ -27,7 +27,7 @@ from normlab.registry import Backend
 __all__ = ["SIZES", "Measurement", "calibrate", "fit"]
 
 #: Rows of x measured (of :data:`COLS` columns): one token to a few MiB.
-SIZES: Final = (1, 8, 64, 512, 4096)
+SIZES: Final = (1, 8, 64, 512, 4096, 16384)
 QUICK_SIZES: Final = (1, 64)
 COLS: Final = 768
 #: Seconds of calls per timed batch, and batches per size (the median is kept).
@@ -147,16 +147,20 @@ def _converter(family: str) -> Callable[[Any], Any] | None:
 
 
 def _call(op: str, convert: Callable[[Any], Any], x: Any, name: str) -> Callable[[], Any]:
+    """A call of ``op`` as a model calls it: with a weight (and, for LayerNorm, a bias) of x's
+    dtype, whose handling is part of the fixed cost."""
     import normlab
 
     xa = convert(x)
-    if op in ("layer_norm", "rms_norm"):
-        function = getattr(normlab, op)
-        return lambda: function(xa, backend=name)
-    forward = getattr(normlab, op.removesuffix("_backward"))
-    _, *stats = forward(xa, return_stats=True, backend=name)
+    weight = convert(x[0] * 0 + 1)
+    forward_op = op.removesuffix("_backward")
+    params = {"weight": weight} if forward_op == "rms_norm" else {"weight": weight, "bias": weight}
+    forward = getattr(normlab, forward_op)
+    if op == forward_op:
+        return lambda: forward(xa, **params, backend=name)
+    _, *stats = forward(xa, **params, return_stats=True, backend=name)
     backward = getattr(normlab, op)
-    return lambda: backward(xa, xa, *stats, backend=name)
+    return lambda: backward(xa, xa, *stats, weight, backend=name)
 
 
 def _median_us(call: Callable[[], Any]) -> float:
