@@ -22,7 +22,17 @@ The module named by a record defines, for each op in ``ops``, a function of that
         1-D (plan.rows,) in plan.stats_dtype when plan.return_stats, else None.'''
 
 and, for ``rms_norm``, the same signature with ``bias`` always None, returning
-``(y, None, rstd)``; plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray,
+``(y, None, rstd)``; for the fused residual-add ops::
+
+    def add_layer_norm(x, residual, weight, bias, *, plan, out, residual_out):
+        '''h = x + residual rounded to x's dtype (bitwise the unfused add), then y = layer_norm(h)
+        on that rounded h. residual: 2-D like x. When plan.return_residual, h is written into
+        residual_out (2-D like x) or a new array, else h is never written and None is returned
+        for it. Returns (y, h, mean, rstd).'''
+
+and ``add_rms_norm`` likewise (``bias`` always None) returning ``(y, h, None, rstd)``; with
+``inplace``, ``out`` may be the memory of ``x`` or ``residual`` and ``residual_out`` that of
+``residual`` or ``x`` (never both the same); plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray,
 like=None)`` (the conformance suite drives every backend through these two; ``like`` is an
 array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
 that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
@@ -120,6 +130,9 @@ class Plan:
     eps: float
     return_stats: bool
     requires_grad: bool
+    #: Fused ops (``add_layer_norm``/``add_rms_norm``): whether ``h = x + residual`` is written
+    #: and returned (False: the post-norm form, ``h`` never written). False for other ops.
+    return_residual: bool = False
     #: The core's Layout of this call (set once by ``normlab.spec``); for the deprecated fields.
     _layout: Any = field(default=None, compare=False, hash=False, repr=False)
 
@@ -183,6 +196,7 @@ PLAN_FIELDS: Final = (
     "stats_dtype",
     "eps",
     "return_stats",
+    "return_residual",
     "weight_dtype",
     "bias_dtype",
     "has_weight",
