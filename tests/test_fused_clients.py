@@ -21,9 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from transformer_models import load_minilm, models_extra
+from transformer_models import fuse_bert_outputs, load_minilm, models_extra
 
-import normlab
 from normlab import dispatch, registry
 from normlab.testing.tolerances import TOLERANCES
 
@@ -79,33 +78,6 @@ def _assert_as_close_as_torch(model: Any, patched: Any, run: Callable[[Any], Any
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     return load_minilm(tmp_path_factory.mktemp("hf"))
-
-
-def fuse_bert_outputs(model: Any, backend: str | None, calls: list[str]) -> int:
-    """Give each ``BertSelfOutput``/``BertOutput`` of ``model`` a forward whose residual add
-    and LayerNorm are one ``normlab.add_layer_norm(..., return_residual=False)`` (each call
-    appends the module's class name to ``calls``); returns how many were patched."""
-    bert = models_extra("transformers.models.bert.modeling_bert")
-    targets = (bert.BertSelfOutput, bert.BertOutput)
-    patched = 0
-    for module in model.modules():
-        if type(module) in targets:
-            module.forward = types.MethodType(_fused_bert_output(backend, calls), module)
-            patched += 1
-    return patched
-
-
-def _fused_bert_output(backend: str | None, calls: list[str]) -> Callable[..., Any]:
-    def forward(self: Any, hidden_states: Any, input_tensor: Any) -> Any:
-        calls.append(type(self).__name__)
-        norm = self.LayerNorm
-        hidden = self.dropout(self.dense(hidden_states))
-        return normlab.add_layer_norm(
-            hidden, input_tensor, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
-            backend=backend, return_residual=False,
-        )  # fmt: skip
-
-    return forward
 
 
 def test_minilm_post_norm_fused(minilm: tuple[Any, dict[str, Any]], backend: str | None) -> None:

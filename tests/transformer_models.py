@@ -1,4 +1,5 @@
-"""The real transformers the tests run normlab in, from the ``models`` extra, offline.
+"""The real transformers the tests run normlab in, from the ``models`` extra, offline, and the
+patch that fuses MiniLM's residual adds (also timed by ``benchmarks/clients.py``).
 
 ``models_extra(name)`` imports one of its packages: where ``NORMLAB_REQUIRE_MODELS`` is set (CI
 installs the extra) a missing package is an error, elsewhere the test skips with the reason.
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import types
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+import normlab
 
 SENTENCES = (
     "normlab makes layer norm one call",
@@ -43,3 +48,32 @@ def load_minilm(hf_home: Path) -> tuple[Any, dict[str, Any]]:
     finally:
         mp.undo()
     return model, dict(batch)
+
+
+def fuse_bert_outputs(model: Any, backend: str | None, calls: list[str] | None = None) -> int:
+    """Give each ``BertSelfOutput``/``BertOutput`` of ``model`` a forward whose residual add
+    and LayerNorm are one ``normlab.add_layer_norm(..., return_residual=False)`` on
+    ``backend`` (None: normlab's choice); each call appends the module's class name to
+    ``calls`` when given. Returns how many modules were patched."""
+    bert = models_extra("transformers.models.bert.modeling_bert")
+    targets = (bert.BertSelfOutput, bert.BertOutput)
+    patched = 0
+    for module in model.modules():
+        if type(module) in targets:
+            module.forward = types.MethodType(_fused_bert_output(backend, calls), module)
+            patched += 1
+    return patched
+
+
+def _fused_bert_output(backend: str | None, calls: list[str] | None) -> Callable[..., Any]:
+    def forward(self: Any, hidden_states: Any, input_tensor: Any) -> Any:
+        if calls is not None:
+            calls.append(type(self).__name__)
+        norm = self.LayerNorm
+        hidden = self.dropout(self.dense(hidden_states))
+        return normlab.add_layer_norm(
+            hidden, input_tensor, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
+            backend=backend, return_residual=False,
+        )  # fmt: skip
+
+    return forward
