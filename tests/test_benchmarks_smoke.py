@@ -487,6 +487,11 @@ def test_the_quick_matrix_has_no_peers_and_the_full_one_skips_them_with_a_reason
     assert "float16-2x1024-rms_norm-ref-ort" in full  # the sweep
     assert "float64-2x1024-rms_norm-ref-ort" not in full
     assert not any("backward-ref-ort" in i for i in full)
+    # The fused ops: torch.compile of the unfused pair on every fused shape, and no ORT.
+    assert "float32-1x768-add_layer_norm-ref-torch_compile" in full
+    assert "float16-16384x768-add_rms_norm-ref-torch_compile" in full
+    assert not any("add_" in i and "ref-ort" in i for i in full)
+    assert "float32-1024x4096-add_layer_norm-numba-post" in quick
 
 
 def _peer_result(result: Any, dtype: str) -> Any:
@@ -548,6 +553,47 @@ def test_each_peer_computes_the_op_on_a_tiny_input(op: str, dtype: str) -> None:
         "RMSNormalization",
         "SimplifiedLayerNormalization",
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_each_fused_contender_computes_the_op(op: str, dtype: str) -> None:
+    """Each fused-op call the matrix times returns normlab's ``y`` (and ``h``, but for the
+    post-norm form) of the very same input; nothing is timed. torch.compile of the pair (a
+    compile per case) is checked where the full matrix's peers are installed."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    import normlab
+
+    numba = normlab.registry.get("numba")
+    if not numba.available:
+        pytest.skip(f"the fused rows need numba: {numba.reason}")
+    _benchmarks_on_path()
+    import peers
+    import workloads
+
+    data = workloads.Workload((5, 64), dtype)
+    h_want = torch.from_numpy(data.x) + torch.from_numpy(data.residual)
+    weight, bias = torch.from_numpy(data.weight), torch.from_numpy(data.bias)
+    if op == "add_layer_norm":
+        y_want = normlab.layer_norm(h_want, None, weight, bias, workloads.EPS, backend="torch")
+    else:
+        y_want = normlab.rms_norm(h_want, None, weight, workloads.EPS, backend="torch")
+    tolerance = {"float32": 1e-5, "float16": 1e-2}[dtype]
+    calls = [(subject, "alloc") for subject in ("add_numba", "torch", "numba", "auto-torch")]
+    calls.append(("numba", "post"))
+    for subject, mode in calls:
+        result = workloads.fused_call(op, subject, mode, data)()
+        y, h = (result, None) if mode == "post" else result
+        np.testing.assert_allclose(y.float().numpy(), y_want.float().numpy(), atol=tolerance)
+        if h is not None:
+            assert torch.equal(h, h_want), subject
+    if importlib.util.find_spec("onnxruntime") is None:
+        return  # the full matrix's environment (nox -s bench) checks torch.compile too
+    y, h = peers.call(op, "torch_compile", data)()
+    np.testing.assert_allclose(y.float().numpy(), y_want.float().numpy(), atol=tolerance)
+    assert torch.equal(h, h_want)
 
 
 def test_a_tiny_full_matrix_run_has_the_peers(tmp_path: Path) -> None:
