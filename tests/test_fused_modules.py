@@ -156,14 +156,15 @@ def test_matches_the_unfused_form(
 ) -> None:
     """``h`` is bitwise ``x + residual``; ``y`` and the gradients of x, residual, weight and
     bias (of a loss that uses both ``y`` and ``h``) are those of torch autograd on the unfused
-    form: float32 as the modules' tests, float64 within a few of its roundings."""
+    form: float32 as the modules' tests, float64 within a dozen of its roundings (scaled by the
+    largest magnitude), room for a kernel's own order of summation and no more."""
     mine, stock = _pair(name, kwargs, backend, dtype)
     x, residual, dy, dh = (_tensor(3, 4, 6, dtype=dtype) for _ in range(4))
     got = _fused_grads(mine, x, residual, dy, dh)
     want = _unfused_grads(stock, x, residual, dy, dh)
     assert len(got) == len(want)
     assert torch.equal(got[1], want[1]), "h is not bitwise x + residual"
-    factor = 64 if dtype == torch.float32 else 0
+    factor = 64 if dtype == torch.float32 else 1
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         _assert_close(g, w, dtype, factor)
