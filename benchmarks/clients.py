@@ -68,6 +68,7 @@ def summary(seconds: list[float]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, load both models, print a line per batch shape (as it is done)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="*", default=[f"{b}x{s}" for b, s in DEFAULT_SHAPES])
     parser.add_argument("--repeats", type=int, default=200)
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"all-MiniLM-L6-v2 forward on CPU, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, normlab backend {args.backend or 'its choice'}; "
           f"load average before: {os.getloadavg()}")  # fmt: skip
-    print(f"{'batch':>10} {'unpatched ms':>14} {'fused ms':>14} {'speed-up':>9}  max |diff|")
+    print(f"{'batch':>10} {'unpatched ms':>14} {'fused ms':>14} {'speed-up':>9}  max |diff|",
+          flush=True)  # fmt: skip
     for shape in args.shapes:
         batch, seq = (int(n) for n in shape.split("x"))
         inputs = token_batch(model, batch, seq)
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         (base, base_iqr), (ours, ours_iqr) = (summary(times[name]) for name in models)
         print(f"{shape:>10} {base * 1e3:8.3f} ±{base_iqr * 1e3:5.3f} "
               f"{ours * 1e3:8.3f} ±{ours_iqr * 1e3:5.3f} {base / ours:8.3f}×  "
-              f"{float(diff.max()):.2e}")  # fmt: skip
+              f"{float(diff.max()):.2e}", flush=True)  # fmt: skip
     print(f"load average after: {os.getloadavg()} (± is the interquartile range; "
           f"{args.repeats} interleaved repeats per model)")  # fmt: skip
     return 0
