@@ -117,8 +117,8 @@ BACKWARD_COST: Final = 1.5
 TEXTBOOK_TEMPORARIES: Final = 6
 #: A round lasts at least this long (tiny calls are repeated within a round).
 MIN_ROUND_S: Final = 1e-4
-#: A call this slow (the textbook formula on big half-precision inputs) gets one warm-up call
-#: and at least this many rounds, instead of two warm-up calls and the matrix's least rounds.
+#: A call this slow once warm (the textbook formula on big half-precision inputs) gets at least
+#: this many rounds, instead of the matrix's least rounds.
 SLOW_CALL_S: Final = 1.0
 SLOW_CALL_ROUNDS: Final = 3
 DISPATCH_SHAPE: Final = (8, 64)
@@ -476,14 +476,17 @@ def default_backend(op: str, data: Workload) -> str | None:
 def _probe(call: Callable[[], Any]) -> float:
     """Seconds of one warm call: an untimed warm-up call (imports, JIT, caches), then one more.
 
-    A warm-up call of :data:`SLOW_CALL_S` or more stands for the call's time: such a call is
-    big (and its rounds are few anyway) or compiled on the way (an overestimate, so fewer rounds).
+    The second call stands even when the warm-up takes :data:`SLOW_CALL_S` or more: that may be
+    a compile or a kernel loaded on the way (numba's kernel for a new dtype or layout, first met
+    by the fused ops' unfused pair), and taking it for the call's time left such a call three
+    rounds. A call that is slow every time costs one more call here.
     """
-    start = time.perf_counter()
-    call()
-    first = time.perf_counter() - start
-    if first >= SLOW_CALL_S:
-        return first
+    _timed(call)
+    return _timed(call)
+
+
+def _timed(call: Callable[[], Any]) -> float:
+    """Seconds of one call of ``call``."""
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
