@@ -4,12 +4,14 @@ rounded ``h``. The backend functions that call them are in :mod:`normlab.backend
 
 A row is processed in this order, which is what lets the outputs be the very memory of the
 inputs (``out`` that of x or residual, the ``h`` output that of residual or x, never both the
-same): one sweep reads x and residual and writes h, element by element, into a contiguous
-compute-dtype scratch row of the thread (and, when h is returned, into the h output); the row's
-statistics and y then come from the scratch row alone, by the forward kernels' own row code
-(:mod:`normlab.backends.numba_forward`: ``row_moments``, ``write_row``, and ``wide_stats`` /
-``write_wide`` for a row whose compute-dtype sums do not hold). So y and the statistics are, bit
-for bit, those ``layer_norm_rows`` gives for the rounded h, and h those of the unfused add.
+same): one sweep reads x and residual and writes h, element by element, into the h output
+(when h is returned) or else into a contiguous compute-dtype scratch row of the thread; the
+row's statistics and y then come from that h alone (an h row that is not contiguous
+compute-dtype data is first copied, converted, into the scratch row), by the forward kernels'
+own row code (:mod:`normlab.backends.numba_forward`: ``row_moments``, ``write_row``, and
+``wide_stats`` / ``write_wide`` for a row whose compute-dtype sums do not hold). So y and the
+statistics are, bit for bit, those ``layer_norm_rows`` gives for the rounded h, and h those of
+the unfused add.
 
 The add: float32 and float64 add in their own dtype; float16 and bfloat16 (bit patterns, as in
 the forward kernels) are widened to float32, added, and rounded once to their type, as NumPy
@@ -34,6 +36,7 @@ from normlab.backends.numba_forward import (
     load,
     narrow,
     row_moments,
+    source_row,
     store,
     underflowed,
     wide_stats,
@@ -50,13 +53,23 @@ __all__ = [
 ]
 
 
-def add_row(xr: Any, rr: Any, hr: Any, scratch: Any) -> None:
-    """``h = xr + rr`` rounded to xr's element type, as compute-dtype values into ``scratch``
-    and, unless ``hr`` is None, as elements into ``hr``. Each element of ``hr`` is written
-    after the same element of ``xr`` and ``rr`` is read: ``hr`` may be either's memory.
+def add_row(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
+    """``h = xr + rr`` rounded to xr's element type, written into ``hr``, or (``hr`` None, h
+    not returned) as compute-dtype values into ``scratch``; returns h as a contiguous
+    compute-dtype row: ``hr`` itself where it is one (``source_row``), else ``scratch``. Each
+    element of ``hr`` is written after the same element of ``xr`` and ``rr`` is read: ``hr``
+    may be either's memory.
 
     A Numba overload (:func:`_add_row_typed`): callable from jitted code only."""
     raise NotImplementedError("add_row is a Numba overload; call it from jitted code")
+
+
+def h_source(x: Any, r: Any, h: Any, i: int, scratch: Any) -> Any:
+    """Row ``i`` of h, already computed, as a contiguous compute-dtype row: read from ``h``
+    (``source_row``), or, ``h`` None, added again from x and r into ``scratch``.
+
+    A Numba overload (:func:`_h_source_typed`): callable from jitted code only."""
+    raise NotImplementedError("h_source is a Numba overload; call it from jitted code")
 
 
 def h_row(h: Any, i: int) -> Any:
@@ -72,16 +85,18 @@ def add_exact(a: float, b: float) -> float:
     return a + b
 
 
-def _add_kept(xr: Any, rr: Any, hr: Any, scratch: Any) -> None:
+def _add_kept(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
+    # h stored once, into hr, then read back (from L1) as the row's source: storing it into
+    # scratch as well cost 25% on rows of 768 float32
     for j in range(xr.shape[0]):
-        element = store(add_exact(load(xr[j]), load(rr[j])), xr)
-        hr[j] = element
-        scratch[j] = load(element)
+        hr[j] = store(add_exact(load(xr[j]), load(rr[j])), xr)
+    return source_row(hr, scratch)
 
 
-def _add_dropped(xr: Any, rr: Any, hr: Any, scratch: Any) -> None:
+def _add_dropped(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     for j in range(xr.shape[0]):
         scratch[j] = load(store(add_exact(load(xr[j]), load(rr[j])), xr))
+    return scratch
 
 
 def _no_row(h: Any, i: Any) -> Any:
@@ -92,12 +107,25 @@ def _row(h: Any, i: Any) -> Any:
     return h[i]
 
 
-@overload(add_row)
+@overload(add_row, inline="always")
 def _add_row_typed(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     return _add_dropped if isinstance(hr, types.NoneType) else _add_kept
 
 
-@overload(h_row)
+def _h_added(x: Any, r: Any, h: Any, i: Any, scratch: Any) -> Any:
+    return add_row(x[i], r[i], None, scratch)
+
+
+def _h_read(x: Any, r: Any, h: Any, i: Any, scratch: Any) -> Any:
+    return source_row(h[i], scratch)
+
+
+@overload(h_source)
+def _h_source_typed(x: Any, r: Any, h: Any, i: Any, scratch: Any) -> Any:
+    return _h_added if isinstance(h, types.NoneType) else _h_read
+
+
+@overload(h_row, inline="always")
 def _h_row_typed(h: Any, i: Any) -> Any:
     return _no_row if isinstance(h, types.NoneType) else _row
 
@@ -122,33 +150,60 @@ def add_norm_rows(
     # y: 2-D like x, to receive y; may be x's or r's memory. h: 2-D like x to receive h (may
     # be r's or x's memory, never y's), or None (h not returned: it lives in the scratch row).
     # w, b, eps, mean, rstd, centre: as in numba_forward.layer_norm_rows.
-    # A wide row is written by write_row as an empty span (no branch around it: see
-    # layer_norm_rows), then redone from the scratch row, which is all that holds its h.
+    # A wide row is left unwritten, as layer_norm_rows leaves it (an empty span, not a branch:
+    # a branch in this loop cost 11% on rows of 768 float32), and redone by _wide_add_rows.
     cols = x.shape[1]
     scratch = np.empty(cols, w.dtype)
+    wide = np.empty(max(stop - start, 0), np.bool_)
+    any_wide = False
     for i in range(start, stop):
-        add_row(x[i], r[i], h_row(h, i), scratch)
-        m, m2 = row_moments(scratch, w, centre)
+        src = add_row(x[i], r[i], h_row(h, i), scratch)
+        m, m2 = row_moments(src, w, centre)
         s = 1.0 / np.sqrt(m2 / cols + eps)  # eps added in float64
         ok = np.isfinite(m2) and np.isfinite(narrow(s, w))
         ok = ok and not underflowed(m2, cols, eps, w)
+        wide[i - start] = not ok
+        any_wide |= not ok
         k = cols if ok else 0
-        write_row(scratch[:k], y[i, :k], w, b, m, s)
-        if not ok:
-            m, s = _wide_row(scratch, y[i], w, b, eps, centre)
+        write_row(src[:k], y[i, :k], w, b, m, s)
         if mean.shape[0] != 0:
             mean[i] = m
         if rstd.shape[0] != 0:
             rstd[i] = s
+    if any_wide:
+        _wide_add_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, wide)
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _wide_row(src: Any, yr: Any, w: Any, b: Any, eps: float, centre: bool) -> tuple[float, float]:
-    # y of a wide row from its compute-dtype values src, as numba_forward's _wide_rows writes
-    # it; returns the row's (mean, rstd). Not inlined: rare.
-    m, s, scale = wide_stats(src, eps, centre)
-    write_wide(src, yr, w, b, m, s, scale)
-    return m * scale, s / scale
+def _wide_add_rows(
+    x: Any,
+    r: Any,
+    y: Any,
+    h: Any,
+    w: Any,
+    b: Any,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    start: int,
+    wide: Any,
+) -> None:
+    # Rows start + k for which wide[k] is set, as numba_forward's _wide_rows redoes them: their
+    # y was left unwritten, so h is still in h's row, or (h not returned) x and r are intact
+    # and h is added again. Other arguments as in add_norm_rows. Not inlined: rare.
+    scratch = np.empty(x.shape[1], w.dtype)
+    for k in range(wide.shape[0]):
+        if not wide[k]:
+            continue
+        i = start + k
+        src = h_source(x, r, h, i, scratch)
+        m, s, scale = wide_stats(src, eps, centre)
+        write_wide(src, y[i], w, b, m, s, scale)
+        if mean.shape[0] != 0:
+            mean[i] = m * scale
+        if rstd.shape[0] != 0:
+            rstd[i] = s / scale
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
