@@ -169,13 +169,14 @@ def test_matches_unfused(
 
 
 @pytest.mark.parametrize("keep_h", [True, False], ids=["h", "post_norm"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("backend", ["numpy", "numba", "torch"])
-def test_large_batch(backend: str, op: str, dtype: str, keep_h: bool) -> None:
-    """1000 x 1024: numba's parallel kernel (equal, bit for bit, to its parallel layer_norm)."""
-    x, r = _data((1000, 1024), dtype, seed=3), _data((1000, 1024), dtype, seed=4)
-    w, b = _parameters(op, dtype, 1024, True, True)
+def test_large_batch(backend: str, op: str, keep_h: bool) -> None:
+    """1000 x 1024: numba's parallel kernel (equal, bit for bit, to its parallel layer_norm).
+    float32 only: each dtype is two more parallel compiles, and the aliasing tests run the
+    parallel kernel on float16."""
+    x, r = _data((1000, 1024), "float32", seed=3), _data((1000, 1024), "float32", seed=4)
+    w, b = _parameters(op, "float32", 1024, True, True)
     _run_and_check(backend, op, x, r, w, b, True, keep_h)
 
 
