@@ -6,7 +6,15 @@ kind of array. Backends are pluggy plugins; see :func:`list_backends` and :func:
 
 from __future__ import annotations
 
-from normlab.api import explain, layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+from normlab.api import (
+    add_layer_norm,
+    add_rms_norm,
+    explain,
+    layer_norm,
+    layer_norm_backward,
+    rms_norm,
+    rms_norm_backward,
+)
 from normlab.dispatch import current_preference, use_backend
 from normlab.errors import (
     ArgumentError,
@@ -37,6 +45,8 @@ __all__ = [
     "Plan",
     "ShapeError",
     "__version__",
+    "add_layer_norm",
+    "add_rms_norm",
     "current_preference",
     "explain",
     "hookimpl",

@@ -7,11 +7,19 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import autograd, backward, dispatch, layout, registry, spec
+from normlab import autograd, backward, dispatch, fused, layout, registry, spec
 from normlab.errors import ArgumentError, NormlabError
-from normlab.ops import BACKWARD_OPS
+from normlab.ops import BACKWARD_OPS, FUSED_OPS, OPS
 
-__all__ = ["explain", "layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "explain",
+    "layer_norm",
+    "layer_norm_backward",
+    "rms_norm",
+    "rms_norm_backward",
+]
 
 
 def layer_norm(
@@ -97,6 +105,87 @@ def rms_norm(
     if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
         choice = autograd.through_graph(call.plan, choice)
     return layout.run(call, choice, x, weight, None, out)
+
+
+def add_layer_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    return_stats: bool = False,
+    return_residual: bool = True,
+    out: Any = None,
+    residual_out: Any = None,
+) -> Any:
+    """Residual add fused with layer normalization: ``h = x + residual``, ``y = layer_norm(h)``.
+
+    ``h`` is rounded to x's dtype exactly as the unfused add (bitwise equal to ``x + residual``
+    in x's library); ``y`` and the statistics are those of :func:`layer_norm` on that rounded
+    ``h``, with the same ``normalized_shape``/``axis``, ``weight``, ``bias`` and ``eps`` rules.
+    One pass over the rows where the backend provides the fused op, else the family's add
+    followed by the backend's ``layer_norm`` (:func:`explain` says "composed"). The arguments
+    not listed below are :func:`layer_norm`'s. If any input requires grad, ``out`` and
+    ``residual_out`` must be None; ``h`` is differentiable, the statistics are not.
+
+    Args:
+        x: the block's output (a NumPy, PyTorch or CuPy array, or a family a plugin serves).
+        residual: the stream added to it: x's array type, device, dtype and shape exactly (no
+            promotion, no broadcasting).
+        return_residual: True (pre-norm blocks): also return ``h``; False (post-norm blocks,
+            ``LayerNorm(hidden + input)``): ``h`` is never written and the result has the form
+            of :func:`layer_norm`'s.
+        out: as for :func:`layer_norm` (``y``, or ``(y, mean, rstd)`` with ``return_stats``);
+            ``h`` never goes into ``out``. May be ``x`` or ``residual`` itself.
+        residual_out: None (allocate ``h``) or one writable array like ``x`` to write ``h``
+            into; may be ``residual`` or ``x`` itself (``out=x, residual_out=residual`` is the
+            in-place serving form), never the memory of ``out``. Only with
+            ``return_residual=True``.
+
+    Returns:
+        ``(y, h)``; ``(y, h, mean, rstd)`` with ``return_stats``; with
+        ``return_residual=False``: ``y`` or ``(y, mean, rstd)``. Arrays passed as outputs are
+        returned as the same objects. Inputs are never modified unless passed as outputs.
+
+    Raises:
+        NormlabError: a subclass naming the problem, as for :func:`layer_norm`; any overlap of
+            outputs with inputs or with each other other than the in-place forms above is an
+            ArgumentError.
+    """
+    return fused.run(
+        "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, axis, backend,
+        return_stats, return_residual, out, residual_out,
+    )  # fmt: skip
+
+
+def add_rms_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: Any = None,
+    weight: Any = None,
+    eps: float | None = None,
+    *,
+    axis: Any = None,
+    backend: str | None = None,
+    return_stats: bool = False,
+    return_residual: bool = True,
+    out: Any = None,
+    residual_out: Any = None,
+) -> Any:
+    """Residual add fused with RMS normalization: ``h = x + residual``, ``y = rms_norm(h)``.
+
+    As :func:`add_layer_norm`, with :func:`rms_norm`'s arithmetic (no mean, no bias;
+    ``eps=None``: ``finfo(x.dtype).eps``). Returns ``(y, h)``; ``(y, h, rstd)`` with
+    ``return_stats``; with ``return_residual=False``: ``y`` or ``(y, rstd)``.
+    """
+    return fused.run(
+        "add_rms_norm", x, residual, normalized_shape, weight, None, eps, axis, backend,
+        return_stats, return_residual, out, residual_out,
+    )  # fmt: skip
 
 
 def layer_norm_backward(
@@ -189,7 +278,23 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     named = arguments["backend"]
     x = arguments["x"]
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
-    if op in BACKWARD_OPS:
+    composed = False
+    if op in FUSED_OPS:
+        call = spec.validated_fused(
+            op,
+            x,
+            arguments["residual"],
+            arguments["normalized_shape"],
+            arguments["weight"],
+            arguments.get("bias"),
+            arguments["eps"],
+            arguments["axis"],
+            arguments["return_stats"],
+            arguments["return_residual"],
+            arguments["out"],
+            arguments["residual_out"],
+        )
+    elif op in BACKWARD_OPS:
         call = spec.validated_backward(
             op,
             arguments["dy"],
@@ -222,11 +327,19 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     preference = dispatch.current_preference()
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
     try:
-        choice = dispatch.choose(plan, named)
+        if op in FUSED_OPS:
+            choice, composed = fused.choose(call, named)
+        else:
+            choice = dispatch.choose(plan, named)
     except NormlabError as exc:
         lines.append(f"  no choice: {exc}")
         return "\n".join(lines)
     lines.append(f"  chosen: {choice.backend.name} ({choice.how})")
+    if composed:
+        lines.append(
+            f"  composed: {choice.backend.name} does not provide {op}; the core adds x + "
+            f"residual with x's library, then runs {choice.backend.name}'s {OPS[op].base}"
+        )
     lines.append("  candidates:")
     if named is None:
         lines.extend(f"    {note}" for note in choice.notes)
@@ -241,6 +354,11 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     try:
         if op in BACKWARD_OPS:
             copies = {name: layout.copy_reason(name, call, choice.backend) for name in ("dy", "x")}
+        elif op in FUSED_OPS:
+            copies = {
+                name: None if composed else layout.copy_reason(name, call, choice.backend)
+                for name in ("x", "residual")
+            }
         else:
             copies = {"x": layout.route(call, choice).copy_x}
     except NormlabError as exc:
@@ -253,7 +371,15 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     converted = ", ".join(sorted(call.non_native - copies.keys()))
     if converted:
         lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
-    if call.has_out:
+    if op in FUSED_OPS and not composed and (call.has_out or call.has_residual_out):
+        r = fused.route(call, choice)
+        for name, given, direct in (
+            ("out", call.has_out, r.out_direct),
+            ("residual_out", call.has_residual_out, r.residual_out_direct),
+        ):
+            if given:
+                lines.append(f"  {name}: written {'directly' if direct else 'through a temporary'}")
+    elif call.has_out and op not in FUSED_OPS:
         how = "directly" if layout.route(call, choice).out_direct else "through one temporary"
         lines.append(f"  out: written {how}")
     backend_notes = getattr(choice.backend.module, "explain", None)
@@ -266,6 +392,8 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
 _FUNCTIONS: Final[dict[str, Callable[..., Any]]] = {
     "layer_norm": layer_norm,
     "rms_norm": rms_norm,
+    "add_layer_norm": add_layer_norm,
+    "add_rms_norm": add_rms_norm,
     "layer_norm_backward": layer_norm_backward,
     "rms_norm_backward": rms_norm_backward,
 }

@@ -33,6 +33,7 @@ from typing import Any, Final
 
 from normlab import costs, registry
 from normlab.errors import BackendError, NormlabWarning
+from normlab.ops import OPS
 from normlab.registry import Backend
 from normlab.spec import Plan
 
@@ -195,7 +196,9 @@ def keeps_graph(backend: Backend, op: str) -> bool:
     A backward op run that way stays in the graph as a leaf op (no double backward)."""
     if "autograd" in backend.capabilities:
         return True
-    return op.endswith("_backward") or f"{op}_backward" in backend.ops
+    table = OPS.get(op)
+    base = table.base if table is not None and table.base is not None else op  # fused ops
+    return op.endswith("_backward") or f"{base}_backward" in backend.ops
 
 
 def choose(plan: Plan, named: str | None = None) -> Choice:

@@ -32,10 +32,11 @@ and, for ``rms_norm``, the same signature with ``bias`` always None, returning
 
 and ``add_rms_norm`` likewise (``bias`` always None) returning ``(y, h, None, rstd)``; with
 ``inplace``, ``out`` may be the memory of ``x`` or ``residual`` and ``residual_out`` that of
-``residual`` or ``x`` (never both the same); plus ``to_numpy(array) -> numpy.ndarray`` and ``from_numpy(ndarray,
-like=None)`` (the conformance suite drives every backend through these two; ``like`` is an
-array whose device the result should share). Optionally ``explain(x, *, plan) -> str``: lines
-that :func:`normlab.explain` adds about this backend's handling of ``x`` (a rechunk, a copy).
+``residual`` or ``x`` (never both the same); plus ``to_numpy(array) -> numpy.ndarray`` and
+``from_numpy(ndarray, like=None)`` (the conformance suite drives every backend through these
+two; ``like`` is an array whose device the result should share). Optionally
+``explain(x, *, plan) -> str``: lines that :func:`normlab.explain` adds about this backend's
+handling of ``x`` (a rechunk, a copy).
 
 A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the
 arrays of its ``families``: how normlab reads their metadata (dtype, shape, strides, device) and

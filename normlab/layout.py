@@ -26,6 +26,7 @@ __all__ = [
     "from_rows",
     "kernel_failure",
     "native",
+    "reads",
     "route",
     "rows",
     "run",
@@ -46,7 +47,8 @@ class Route:
     stats_permuted_shape: tuple[int, ...]
 
 
-def _reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: Plan) -> bool:
+def reads(capabilities: frozenset[str], strides: tuple[int, int] | None, plan: Plan) -> bool:
+    """Whether a backend with ``capabilities`` reads (or writes) a 2-D view of ``strides``."""
     if strides is None:
         return False
     row, col = strides
@@ -69,7 +71,7 @@ def copy_reason(name: str, call: Layout, backend: Backend) -> str | None:
         return f"{name} has non-native byte order"
     if strides is None:
         return f"{name}'s batch or normalized axes cannot be viewed as 2-D rows without a copy"
-    if not _reads(backend.capabilities, strides, plan):
+    if not reads(backend.capabilities, strides, plan):
         return f"backend {backend.name!r} reads only C-contiguous rows"
     return None
 
@@ -102,7 +104,7 @@ def route(call: Layout, choice: Choice) -> Route:
             call.has_out
             and not plan.requires_grad
             and "out" in caps
-            and _reads(caps, call.out_strides, plan)
+            and reads(caps, call.out_strides, plan)
         ),
         inplace_ok="inplace" in caps,
         inverse=call.inverse,

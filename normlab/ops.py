@@ -14,6 +14,11 @@ Outputs: ``outputs`` in the order the op returns them (the first is written into
 ``stats_outputs`` are returned too with ``return_stats=True``. ``in_place`` lists the
 ``(output, input)`` pairs that may be the very same memory (an in-place call); any other overlap
 between an output and an input, or between two outputs, is an ArgumentError.
+
+A fused op names its ``base``: the op it applies after its own first step (``add_layer_norm``
+normalizes ``h = x + residual`` as ``layer_norm`` does). Its gradients are the base op's
+backward plus that step's, and a backend that provides the base op but not the fused one is
+served by the core's composition (:mod:`normlab.fused`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["BACKWARD_OPS", "FORWARD_OPS", "OPS", "Op"]
+__all__ = ["BACKWARD_OPS", "FORWARD_OPS", "FUSED_OPS", "OPS", "Op"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,8 @@ class Op:
     takes_eps: bool = True
     #: Backward ops: the gradients ``needs`` may name, in the order they are returned.
     gradients: tuple[str, ...] = ()
+    #: Fused ops: the op applied after the fused step (its backward op serves the gradients).
+    base: str | None = None
 
     @property
     def arrays(self) -> tuple[str, ...]:
@@ -68,6 +75,25 @@ OPS: Final = {
             in_place=frozenset({("y", "x")}),
         ),
         Op(
+            "add_layer_norm",
+            like_x=("x", "residual"),
+            per_feature=("weight", "bias"),
+            outputs=("y", "h"),
+            stats_outputs=("mean", "rstd"),
+            in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
+            default_eps=1e-5,
+            base="layer_norm",
+        ),
+        Op(
+            "add_rms_norm",
+            like_x=("x", "residual"),
+            per_feature=("weight",),
+            outputs=("y", "h"),
+            stats_outputs=("rstd",),
+            in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
+            base="rms_norm",
+        ),
+        Op(
             "layer_norm_backward",
             like_x=("dy", "x"),
             stats=("mean", "rstd"),
@@ -87,5 +113,6 @@ OPS: Final = {
         ),
     )
 }
-FORWARD_OPS: Final = tuple(name for name, op in OPS.items() if not op.gradients)
+FORWARD_OPS: Final = tuple(name for name, op in OPS.items() if not op.gradients and op.base is None)
+FUSED_OPS: Final = tuple(name for name, op in OPS.items() if op.base is not None)
 BACKWARD_OPS: Final = tuple(name for name, op in OPS.items() if op.gradients)

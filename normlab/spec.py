@@ -22,7 +22,7 @@ from normlab.arrays import ArrayInfo
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES, MACHINE_EPS, stats_dtype_for
 from normlab.errors import ArgumentError, DeviceError, DtypeError, NormlabError, ShapeError
 from normlab.hookspecs import Plan
-from normlab.ops import BACKWARD_OPS, FORWARD_OPS, OPS
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS, FUSED_OPS, OPS
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -39,6 +39,7 @@ __all__ = [
     "stats_names",
     "validated",
     "validated_backward",
+    "validated_fused",
 ]
 
 _PLAN_CACHE_SIZE: Final = 4096
@@ -100,7 +101,8 @@ class Layout:
     (``permutation``, None when that is already the order), then as 2-D ``(rows, cols)``.
     ``strides`` maps each x-like input (x, dy, …) to the element strides ``(row, col)`` of that
     view, or None when no such view exists (a copy is needed); ``out_strides`` likewise for
-    ``out``. ``non_native`` names the inputs in non-native byte order (the core hands backends
+    ``out``, and ``residual_out_strides`` for a fused op's ``residual_out`` (``has_residual_out``).
+    ``non_native`` names the inputs in non-native byte order (the core hands backends
     native copies). ``needs``: the gradients a backward call asks for. ``routes`` caches, per
     backend, how this call runs on it (:func:`normlab.layout.route`).
     """
@@ -115,6 +117,8 @@ class Layout:
     out_strides: tuple[int, int] | None
     out_stats: tuple[bool, bool]
     needs: frozenset[str] = frozenset()
+    has_residual_out: bool = False
+    residual_out_strides: tuple[int, int] | None = None
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -192,6 +196,73 @@ def plan(
     """The :class:`Plan` a backend receives for a forward call (tests and tools drive backends
     with it)."""
     return validated(op, x, normalized_shape, weight, bias, eps, axis, return_stats, out).plan
+
+
+def validated_fused(
+    op: str,
+    x: Any,
+    residual: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: Any,
+    axis: Any,
+    return_stats: Any,
+    return_residual: Any,
+    out: Any,
+    residual_out: Any,
+) -> Layout:
+    """Validate a fused call (``add_layer_norm``, ``add_rms_norm``) and return its
+    :class:`Layout` (cached as :func:`validated`)."""
+    if eps is not None and type(eps) is not float and arrays.is_array(eps):
+        eps = _eps_from_array(eps)
+    key: tuple[Any, ...] | None
+    try:
+        key = (
+            op,
+            _param_key(x),
+            _param_key(residual),
+            normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
+            axis if axis is None else _dims_key(axis),
+            None if weight is None else _param_key(weight),
+            None if bias is None else _param_key(bias),
+            eps,
+            type(eps),
+            return_stats,
+            type(return_stats),
+            return_residual,
+            type(return_residual),
+            None if out is None else _out_key(out),
+            None if residual_out is None else _out_key(residual_out),
+        )
+        cached = _cache.get(key)
+    except Exception:  # unhashable, not an array, or an odd tensor: validate the slow way
+        key, cached = None, None
+    if cached is not None:
+        return cast("Layout", cached)
+    if op not in FUSED_OPS:
+        raise ArgumentError(f"unknown op {op!r}; normlab's fused ops are {', '.join(FUSED_OPS)}")
+    if "bias" not in OPS[op].per_feature and bias is not None:
+        raise ArgumentError(f"{op} takes no bias (y = h / sqrt(mean(h^2) + eps) * weight)")
+    if not isinstance(return_residual, bool):
+        raise ArgumentError(f"return_residual must be True or False, got {return_residual!r}")
+    if residual_out is not None and not return_residual:
+        raise ArgumentError(
+            "residual_out was given with return_residual=False: the post-norm form never "
+            "writes h; drop residual_out or pass return_residual=True"
+        )
+    if isinstance(residual_out, (tuple, list)):
+        raise ArgumentError(
+            "residual_out must be one array like x (h never goes into a tuple; the statistics "
+            "go into out)"
+        )
+    inputs = {"x": x, "residual": residual, "weight": weight, "bias": bias}
+    result = _validate_call(
+        op, inputs, normalized_shape, axis, eps, return_stats, out, frozenset(),
+        return_residual=return_residual, residual_out=residual_out,
+    )  # fmt: skip
+    _remember(key, result)
+    return result
 
 
 def validated_backward(
@@ -313,9 +384,12 @@ def _validate_call(
     return_stats: Any,
     out: Any,
     needs: frozenset[str],
+    *,
+    return_residual: bool = False,
+    residual_out: Any = None,
 ) -> Layout:
     """The rules of the op table for ``op``: x first, then every other input by its role, then
-    eps, return_stats and out."""
+    eps, return_stats, out and (fused ops) residual_out."""
     table = OPS[op]
     x = inputs["x"]
     xi = _array_info("x", x)
@@ -348,11 +422,21 @@ def _validate_call(
         raise ArgumentError(f"return_stats must be True or False, got {return_stats!r}")
     permutation = batch_axes + axes
     permutation_or_none = None if permutation == tuple(range(xi.ndim)) else permutation
+    requires_grad = any(info.requires_grad for info in infos.values())
+    if requires_grad and table.base is not None and (out is not None or residual_out is not None):
+        raise ArgumentError(
+            f"out= and residual_out= cannot be used when an input of {op} requires grad (the "
+            "results would be detached); leave them None"
+        )
     out_y, out_stats = _check_out(out, xi, return_stats, stats_shape, compute, op)
     out_strides = None
     if out_y is not None and out_y.native_byte_order:  # else written through a temporary
         out_strides = row_view_strides(out_y.shape, out_y.strides, batch_axes, axes)
-    requires_grad = any(info.requires_grad for info in infos.values())
+    residual_out_strides = None
+    if residual_out is not None:
+        hi = _check_out_array("residual_out", residual_out, xi, xi.shape, xi.dtype)
+        if hi.native_byte_order:
+            residual_out_strides = row_view_strides(hi.shape, hi.strides, batch_axes, axes)
     strides = {
         name: row_view_strides(infos[name].shape, infos[name].strides, batch_axes, axes)
         for name in table.like_x
@@ -377,6 +461,7 @@ def _validate_call(
         eps=eps_value,
         return_stats=return_stats,
         requires_grad=requires_grad,
+        return_residual=return_residual,
     )
     result = Layout(
         plan=plan,
@@ -391,6 +476,8 @@ def _validate_call(
         out_strides=out_strides,
         out_stats=out_stats,
         needs=needs,
+        has_residual_out=residual_out is not None,
+        residual_out_strides=residual_out_strides,
     )
     object.__setattr__(plan, "_layout", result)  # for Plan's deprecated routing fields
     return result
@@ -562,10 +649,11 @@ def stats_names(op: str) -> tuple[str, ...]:
 
 def split_out(op: str, out: Any) -> tuple[Any, Any, Any]:
     """``out`` as ``(y, mean, rstd)`` (entries None when not given); the tuple form is
-    ``(y, mean, rstd)`` for layer_norm and ``(y, rstd)`` for rms_norm."""
+    ``(y, mean, rstd)`` for layer_norm and ``(y, rstd)`` for rms_norm (likewise their fused
+    ops)."""
     if not isinstance(out, tuple):
         return out, None, None
-    if op == "rms_norm":
+    if "mean" not in OPS[op].stats_outputs:
         y_out, rstd_out = out
         return y_out, None, rstd_out
     y_out, mean_out, rstd_out = out
@@ -642,8 +730,9 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
     arrays or None. The test is exact (element by element, never by bounds), reads only each
     array's address, shape and strides — never its data — and is bounded in work. Statistics
-    outputs are always written after the kernel has read every input, so only ``y`` needs a
-    temporary when an overlap is undecided. Raises ArgumentError naming both arrays.
+    outputs are always written after the kernel has read every input, so only the x-like
+    outputs (``y``; a fused op's ``h``) need a temporary when an overlap is undecided. Raises
+    ArgumentError naming both arrays.
     """
     allowed = OPS[op].in_place
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
@@ -654,21 +743,31 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
         for other_name, other in given_out[:i]:
             if other is o or _shares_memory(o, other, seen) is not False:
                 raise ArgumentError(
-                    f"out ({name}) and out ({other_name}) share memory; pass separate arrays"
+                    f"{_output_argument(name)} and {_output_argument(other_name)} share memory; "
+                    "pass separate arrays"
                 )
         for in_name, a in given_in:
             if (name, in_name) in allowed and (o is a or _same_elements(o, a, seen)):
                 result = "temporary" if result == "temporary" else "in_place"
                 continue
             shared = _shares_memory(o, a, seen)
-            if shared is None and name == "y":
+            if shared is None and name in OPS[op].outputs:
                 result = "temporary"
             elif shared:
-                hint = " (out=x itself is an in-place call)" if (name, in_name) in allowed else ""
+                argument = "residual_out" if name == "h" else "out"
+                hint = f" ({argument}={in_name} itself is an in-place call)"
+                hint = hint if (name, in_name) in allowed else ""
                 raise ArgumentError(
-                    f"out ({name}) shares memory with {in_name}{hint}; pass a separate array"
+                    f"{_output_argument(name)} shares memory with {in_name}{hint}; pass a "
+                    "separate array"
                 )
     return result
+
+
+def _output_argument(name: str) -> str:
+    """The argument an output arrives in: ``residual_out`` for a fused op's ``h``, else
+    ``out (name)``."""
+    return "residual_out" if name == "h" else f"out ({name})"
 
 
 def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool | None:

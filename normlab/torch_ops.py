@@ -1,12 +1,15 @@
 """normlab's torch custom ops: a backend that records no autograd graph, run inside torch's graph.
 
-The ops ``normlab::layer_norm``, ``normlab::rms_norm`` and their ``*_backward``
+The ops ``normlab::layer_norm``, ``normlab::rms_norm``, their ``*_backward`` and the fused
+``normlab::add_layer_norm``/``normlab::add_rms_norm``
 (``torch.library.custom_op``, with fake implementations for tracing and a registered autograd
 formula) take 2-D rows, scalars and the name of a backend. Each rebuilds the backend's row
 :class:`~normlab.hookspecs.Plan` from those (cached) and calls that backend's op function
 directly, on detached tensors: validation and dispatch ran once, in the caller's call, before.
 The forward ops save what their backward op needs; ``mean`` and ``rstd`` are not differentiable,
-and the backward ops have no formula of their own (no double backward: torch says so).
+and the backward ops have no formula of their own (no double backward: torch says so). A fused
+op always computes ``h`` (its gradient needs it) and its gradient is the base op's backward plus
+the gradient arriving at ``h``: ``dx = dresidual = dh + dx_norm``.
 
 The core reaches them through :func:`in_graph` (see :mod:`normlab.autograd`): the chosen backend
 as a :class:`~normlab.registry.Backend` whose op functions are these ops. ``torch.compile`` and
@@ -76,6 +79,7 @@ def _cached_row_plan(
         eps=eps,
         return_stats=not op.endswith("_backward"),  # the backward op needs mean and rstd
         requires_grad=False,  # the backend sees detached tensors
+        return_residual=op.startswith("add_"),  # a fused op's gradient needs h
     )
 
 
@@ -218,6 +222,148 @@ def _rms_norm_grad(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Any, ...]:
 
 
 _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused forward ops: h = x + residual, then the base op of h
+
+
+def _fused(
+    op: str,
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """``op`` of the 2-D rows ``x`` and ``residual`` by ``backend``'s own function:
+    ``(y, h, mean, rstd)``."""
+    served = registry.get(backend)
+    x, residual = _readable(x, served), _readable(residual, served)
+    weight, bias = _detached(weight), _detached(bias)
+    plan = row_plan(op, x, weight, bias, eps)
+    y, h, mean, rstd = served.function(op)(
+        x, residual, weight, bias, plan=plan, out=None, residual_out=None
+    )
+    return y, h, mean, rstd
+
+
+@torch.library.custom_op(
+    "normlab::add_layer_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, str backend) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, h, mean, rstd)`` of the 2-D rows ``x + residual`` on ``backend``."""
+    y, h, mean, rstd = _fused("add_layer_norm", x, residual, weight, bias, eps, backend)
+    assert mean is not None  # a forward row plan returns statistics
+    return y, h, mean, rstd
+
+
+@_add_layer_norm.register_fake
+def _add_layer_norm_fake(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    y, mean, rstd = _layer_norm_fake(x, weight, bias, eps, backend)
+    return y, x.new_empty(x.shape), mean, rstd
+
+
+def _add_layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    _, _, weight, bias, _, backend = inputs
+    _, h, mean, rstd = output
+    ctx.save_for_backward(h, weight, mean, rstd)
+    ctx.backend = backend
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _with_residual_grad(dh: Tensor | None, dx: Tensor, need_x: bool, need_residual: bool) -> Any:
+    """``dh + dx``: the gradient of both x and residual (h = x + residual)."""
+    if not (need_x or need_residual):
+        return None, None
+    total = dx if dh is None else dx + dh
+    return (total if need_x else None), (total if need_residual else None)
+
+
+def _add_layer_norm_grad(
+    ctx: Any, dy: Tensor, dh: Tensor, _dmean: Tensor, _drstd: Tensor
+) -> tuple[Any, ...]:
+    h, weight, mean, rstd = ctx.saved_tensors
+    need_x, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
+    dx, dweight, dbias = _layer_norm_backward(
+        dy, h, mean, rstd, weight, need_x or need_residual, need_weight, need_bias, ctx.backend
+    )
+    return (
+        *_with_residual_grad(dh, dx, need_x, need_residual),
+        dweight.to(weight.dtype) if need_weight else None,
+        dbias.to(ctx.bias_dtype) if need_bias else None,
+        None,
+        None,
+    )
+
+
+_add_layer_norm.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
+
+
+@torch.library.custom_op(
+    "normlab::add_rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor? weight, float eps, str backend) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, h, rstd)`` of the 2-D rows ``x + residual`` on ``backend``."""
+    y, h, _, rstd = _fused("add_rms_norm", x, residual, weight, None, eps, backend)
+    return y, h, rstd
+
+
+@_add_rms_norm.register_fake
+def _add_rms_norm_fake(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    y, rstd = _rms_norm_fake(x, weight, eps, backend)
+    return y, x.new_empty(x.shape), rstd
+
+
+def _add_rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    _, _, weight, _, backend = inputs
+    _, h, rstd = output
+    ctx.save_for_backward(h, weight, rstd)
+    ctx.backend = backend
+    ctx.mark_non_differentiable(rstd)
+
+
+def _add_rms_norm_grad(ctx: Any, dy: Tensor, dh: Tensor, _drstd: Tensor) -> tuple[Any, ...]:
+    h, weight, rstd = ctx.saved_tensors
+    need_x, need_residual, need_weight = ctx.needs_input_grad[:3]
+    dx, dweight = _rms_norm_backward(
+        dy, h, rstd, weight, need_x or need_residual, need_weight, ctx.backend
+    )
+    return (
+        *_with_residual_grad(dh, dx, need_x, need_residual),
+        dweight.to(weight.dtype) if need_weight else None,
+        None,
+        None,
+    )
+
+
+_add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,6 +517,38 @@ def _rms_norm_in_graph(
     return (y, None, rstd) if plan.return_stats else (y, None, None)
 
 
+def _add_layer_norm_in_graph(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    plan: Plan,
+    out: None,
+    residual_out: None,
+    backend: str,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    y, h, mean, rstd = _add_layer_norm(x, residual, weight, bias, plan.eps, backend)
+    h_or_none = h if plan.return_residual else None
+    return (y, h_or_none, mean, rstd) if plan.return_stats else (y, h_or_none, None, None)
+
+
+def _add_rms_norm_in_graph(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: None,
+    residual_out: None,
+    backend: str,
+) -> tuple[Tensor, Tensor | None, None, Tensor | None]:
+    y, h, rstd = _add_rms_norm(x, residual, weight, plan.eps, backend)
+    h_or_none = h if plan.return_residual else None
+    return (y, h_or_none, None, rstd) if plan.return_stats else (y, h_or_none, None, None)
+
+
 def _layer_norm_backward_in_graph(
     dy: Tensor,
     x: Tensor,
@@ -409,6 +587,8 @@ def _rms_norm_backward_in_graph(
 _IN_GRAPH: Final[dict[str, Callable[..., Any]]] = {
     "layer_norm": _layer_norm_in_graph,
     "rms_norm": _rms_norm_in_graph,
+    "add_layer_norm": _add_layer_norm_in_graph,
+    "add_rms_norm": _add_rms_norm_in_graph,
     "layer_norm_backward": _layer_norm_backward_in_graph,
     "rms_norm_backward": _rms_norm_backward_in_graph,
 }

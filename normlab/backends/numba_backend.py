@@ -44,6 +44,7 @@ from normlab.backends import (
     numba_cache,
     numba_forward,
     numba_fused,
+    output_pool,
 )
 from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
 from normlab.backends.numba_forward import (
@@ -283,7 +284,7 @@ def _normalize(
     none = _no_stats(stats)
     mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
     rstd = np.empty(plan.rows, stats) if plan.return_stats else none
-    y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
+    y_np = output_pool.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
     args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
     # one short row runs on one thread: it does not take the pool from another caller
@@ -367,10 +368,10 @@ def _add_normalize(
     mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
     rstd = np.empty(plan.rows, stats) if plan.return_stats else none
     shape = (plan.rows, plan.cols)
-    y_np = np.empty(shape, x_np.dtype) if out_np is None else out_np
+    y_np = output_pool.empty(shape, x_np.dtype) if out_np is None else out_np
     h_np = None
     if plan.return_residual:
-        h_np = np.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
+        h_np = output_pool.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
 
     def bits(a: np.ndarray) -> np.ndarray:
         return _as_bits(a, plan.dtype)
@@ -512,7 +513,7 @@ def _backward(
     chunks = -(-rows // ROW_CHUNK)
     w = None if weight is None else _parameter(weight, compute, cols, 1.0)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
-    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx = output_pool.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
     dw_parts = np.empty((chunks, cols), compute)
     db_parts = np.empty((chunks, cols), compute)
