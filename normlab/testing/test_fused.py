@@ -1,0 +1,375 @@
+"""The fused ops, ``add_layer_norm`` and ``add_rms_norm``, through the backend under test: its
+own kernel where its record lists the op, else the core's composition (x + residual with x's
+library, then its base op) — :func:`test_fused_path` says which, and the report names it.
+
+``h`` must be NumPy's ``x + residual`` in x's dtype, bit for bit; ``y`` and the statistics
+those of the base op's reference on that rounded ``h``, within the base op's tolerances. Then
+the return forms, outputs (``out``, ``residual_out``, returned as the objects passed), the
+in-place forms (checked against references taken from copies before the call), inputs never
+modified, and the aliasing refusals. Bad residuals are in the errors area
+(:mod:`.test_errors`, the fused entries of :data:`.bad_inputs.BAD_INPUTS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+import pytest
+
+import normlab
+from normlab import ArgumentError
+from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
+from normlab.spec import stats_names
+from normlab.testing.cases import OPS, Case
+from normlab.testing.conversions import arrange, numpy_dtype
+from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
+from normlab.testing.subject import Subject
+
+#: (shape, axis, x values, residual values) of the reference cases.
+SHAPES: Final[dict[str, tuple[tuple[int, ...], Any, str, str]]] = {
+    "2d": ((7, 33), None, "rowwise", "normal"),
+    "3d-axes0,2": ((4, 5, 9), (0, 2), "normal", "rowwise"),
+    "cols4097": ((3, 4097), None, "offset", "tiny"),
+    "nan_inf": ((6, 20), None, "normal", "nan_inf"),
+}
+
+
+def _case(
+    subject: Subject,
+    op: str,
+    dtype: str | None = None,
+    *,
+    shape: tuple[int, ...] = (8, 40),
+    seed: int = 30,
+    **changes: Any,
+) -> FusedCase:
+    """A fused case of ``op``'s base with weight (float32 for half x) and, for layer_norm, a
+    bias; rowwise x, standard normal residual. ``changes``: FusedCase fields, or Case fields
+    (``base_<field>``)."""
+    dtype = dtype or subject.dtype
+    param = "float32" if dtype in HALF_DTYPES else dtype
+    base_changes = {k.removeprefix("base_"): v for k, v in changes.items() if k.startswith("base_")}
+    fields: dict[str, Any] = {
+        "values": "rowwise",
+        "seed": seed,
+        "weight": param,
+        "bias": param if op == "layer_norm" else None,
+        "op": op,
+    }
+    base = Case(shape, dtype, **{**fields, **base_changes})
+    return FusedCase(base, **{k: v for k, v in changes.items() if not k.startswith("base_")})
+
+
+def _require(subject: Subject, op: str) -> str:
+    """Skip unless the fused op of ``op`` reaches the backend; its fused op's name."""
+    subject.require_fused(FUSED_OPS[op])
+    return FUSED_OPS[op]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_fused_path(normlab_subject: Subject, op: str) -> None:
+    """explain() names the path the suite tests: the backend's own fused kernel where its
+    record lists the op, else "composed" (the family's add, then the backend's base op)."""
+    fused = FUSED_OPS[op]
+    path = normlab_subject.require_fused(fused)
+    case = _case(normlab_subject, op)
+    x, residual, kwargs = case.inputs(normlab_subject.name)
+    text = normlab.explain(x, residual, **kwargs, backend=normlab_subject.name, op=fused)
+    assert f"chosen: {normlab_subject.name} " in text, text
+    assert ("composed:" in text) == (path == "composed"), (
+        f"the record {'lists' if path == 'kernel' else 'does not list'} {fused}, yet explain() "
+        f"says:\n{text}"
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, shape: str) -> None:
+    """h bitwise NumPy's x + residual in x's dtype; y and the statistics within the base op's
+    tolerances of its reference on that h: rows of 33 and 4097, non-trailing axes, NaN and
+    infinities in the residual (compared only outside their rows, which must stay theirs)."""
+    _require(normlab_subject, op)
+    normlab_subject.require_dtype(dtype)
+    dims, axis, x_values, residual_values = SHAPES[shape]
+    case = _case(
+        normlab_subject,
+        op,
+        dtype,
+        shape=dims,
+        seed=31,
+        base_axis=axis,
+        base_values=x_values,
+        residual=residual_values,
+    )
+    y, h, mean, rstd = case.run(normlab_subject.name)
+    case.compare(y, h, mean, rstd, backend=normlab_subject.name)
+
+
+@pytest.mark.parametrize(
+    ("layout", "residual_layout"), [("transposed", "c"), ("c", "sliced"), ("padded", "fortran")]
+)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_layouts(
+    normlab_subject: Subject, op: str, layout: str, residual_layout: str
+) -> None:
+    """x and residual in different memory layouts: h and y as for C-ordered inputs."""
+    _require(normlab_subject, op)
+    normlab_subject.require_layout(layout)
+    normlab_subject.require_layout(residual_layout)
+    case = _case(
+        normlab_subject, op, shape=(6, 17), seed=32, base_layout=layout,
+        residual_layout=residual_layout,
+    )  # fmt: skip
+    case.check(normlab_subject.name)
+
+
+@pytest.mark.parametrize("pair", ["absorbed", "cancelling"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_h_rounded_before_normalizing(
+    normlab_subject: Subject, op: str, dtype: str, pair: str
+) -> None:
+    """y is the norm of h *rounded to x's dtype*. "absorbed": x = C + 2k on the dtype's grid
+    (float16 C = 2048, bfloat16 256, float32 2^24, float64 2^53: spacing 2 there) plus
+    |residual| < 2, so every h rounds: a float16/bfloat16 kernel normalizing the exact sum is
+    off by up to 0.1, far outside the tolerance. "cancelling": x = C + a, residual = -C + b:
+    the digits cancel (exactly) and h must still be the add's."""
+    _require(normlab_subject, op)
+    normlab_subject.require_dtype(dtype)
+    case = _case(normlab_subject, op, dtype, shape=(8, 64), seed=33, pair=pair)
+    case.check(normlab_subject.name)
+
+
+@pytest.mark.parametrize("return_stats", [False, True])
+@pytest.mark.parametrize("return_residual", [True, False])
+@pytest.mark.parametrize("op", OPS)
+def test_fused_return_forms(
+    normlab_subject: Subject, op: str, return_residual: bool, return_stats: bool
+) -> None:
+    """``(y, h)``, ``(y, h, *stats)``, ``y``, ``(y, *stats)``: with return_residual=False the
+    result has exactly the form of the base op's (``y`` alone, or its statistics tuple)."""
+    fused = _require(normlab_subject, op)
+    case = _case(
+        normlab_subject,
+        op,
+        seed=34,
+        return_residual=return_residual,
+        base_return_stats=return_stats,
+    )
+    y, h, mean, rstd = case.run(normlab_subject.name)  # asserts the form
+    case.compare(y, h, mean, rstd, backend=normlab_subject.name)
+    if not return_residual:
+        x, residual, kwargs = case.inputs(normlab_subject.name)
+        del kwargs["return_residual"]
+        fused_result = case.call(
+            x, residual, **kwargs, return_residual=False, backend=normlab_subject.name
+        )
+        base_result = case.base.call(x, **kwargs, backend=normlab_subject.name)
+        assert isinstance(fused_result, tuple) == isinstance(base_result, tuple) and (
+            len(fused_result) if isinstance(fused_result, tuple) else 1
+        ) == (len(base_result) if isinstance(base_result, tuple) else 1), (
+            f"{fused}(..., return_residual=False) returns {type(fused_result).__name__}, "
+            f"{op} returns {type(base_result).__name__}\n{case.snippet(normlab_subject.name)}"
+        )
+
+
+@pytest.mark.parametrize("return_residual", [True, False])
+@pytest.mark.parametrize("op", OPS)
+def test_fused_inputs_never_modified(
+    normlab_subject: Subject, op: str, return_residual: bool
+) -> None:
+    """x, residual, weight and bias keep their bits, on the direct path too (2-D C-contiguous,
+    called twice: the second call takes the cached route)."""
+    _require(normlab_subject, op)
+    case = _case(
+        normlab_subject, op, seed=35, return_residual=return_residual, base_return_stats=False
+    )
+    x, residual, kwargs = case.inputs(normlab_subject.name)
+    inputs: dict[str, Any] = {"x": x, "residual": residual}
+    inputs.update({k: kwargs[k] for k in ("weight", "bias") if k in kwargs})
+    before = {k: normlab_subject.to_numpy(a).tobytes() for k, a in inputs.items()}
+    for call in ("first", "second"):
+        result = case.call(x, residual, **kwargs, backend=normlab_subject.name)
+        for what, a in inputs.items():
+            assert normlab_subject.to_numpy(a).tobytes() == before[what], (
+                f"{what} was modified by the {call} call\n{case.snippet(normlab_subject.name)}"
+            )
+        y, h, _, _ = case.unpack(result)
+        case.compare(
+            normlab_subject.to_numpy(y),
+            None if h is None else normlab_subject.to_numpy(h),
+            None,
+            None,
+            backend=normlab_subject.name,
+        )
+
+
+def _zeros(subject: Subject, shape: tuple[int, ...], dtype: str, layout: str = "c") -> Any:
+    return arrange(np.zeros(shape, numpy_dtype(dtype)), layout, subject)
+
+
+@pytest.mark.parametrize(
+    "given", ["out", "residual_out", "both", "out_fortran", "residual_out_sliced", "with_stats"]
+)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_out(normlab_subject: Subject, op: str, given: str) -> None:
+    """``out`` (y; with return_stats ``(y, *stats)``) and ``residual_out`` (h), separate
+    arrays in any writable layout: written, returned as the very objects passed; the inputs
+    untouched."""
+    _require(normlab_subject, op)
+    normlab_subject.require_writable()
+    layouts = {"out_fortran": "fortran", "residual_out_sliced": "sliced"}
+    layout = layouts.get(given, "c")
+    normlab_subject.require_layout(layout)
+    stats = given == "with_stats"
+    case = _case(normlab_subject, op, shape=(6, 33), seed=36, base_return_stats=stats)
+    x, residual, kwargs = case.inputs(normlab_subject.name)
+    before = {k: normlab_subject.to_numpy(a).tobytes() for k, a in (("x", x), ("r", residual))}
+    dtype, shape = case.base.dtype, case.base.shape
+    out: Any = None
+    residual_out = None
+    if given in ("out", "both", "out_fortran", "with_stats"):
+        out = _zeros(normlab_subject, shape, dtype, layout)
+    if given in ("residual_out", "both", "residual_out_sliced", "with_stats"):
+        residual_out = _zeros(normlab_subject, shape, dtype, layout)
+    if stats:
+        stats_dtype = "float64" if dtype == "float64" else "float32"
+        out = (out, *(_zeros(normlab_subject, (6, 1), stats_dtype) for _ in stats_names(op)))
+    result = case.call(
+        x, residual, **kwargs, out=out, residual_out=residual_out, backend=normlab_subject.name
+    )
+    repro = case.snippet(normlab_subject.name)
+    y, h, mean, rstd = case.unpack(result, repro)
+    passed = out if isinstance(out, tuple) else (out,)
+    returned = (y, *(a for a in (mean, rstd) if a is not None))
+    for got, given_array in zip(returned, passed, strict=True):
+        assert given_array is None or got is given_array, f"out entries must be returned\n{repro}"
+    assert residual_out is None or h is residual_out, f"residual_out must be returned\n{repro}"
+    assert normlab_subject.to_numpy(x).tobytes() == before["x"], f"x was modified\n{repro}"
+    assert normlab_subject.to_numpy(residual).tobytes() == before["r"], (
+        f"residual was modified\n{repro}"
+    )
+    host = [None if a is None else normlab_subject.to_numpy(a) for a in (y, h, mean, rstd)]
+    case.compare(host[0], host[1], host[2], host[3], backend=normlab_subject.name)
+
+
+#: In-place forms: name -> (residual is x, out, residual_out), outputs named by the input whose
+#: memory they are.
+IN_PLACE: Final[dict[str, tuple[bool, str | None, str | None]]] = {
+    "out=x,residual_out=residual": (False, "x", "residual"),
+    "out=residual,residual_out=x": (False, "residual", "x"),
+    "out=x": (False, "x", None),
+    "residual_out=residual": (False, None, "residual"),
+    "residual=x": (True, None, None),
+    "residual=x,out=x": (True, "x", None),
+    "residual=x,residual_out=x": (True, None, "x"),
+}
+
+
+@pytest.mark.parametrize("layout", ["c", "padded"])
+@pytest.mark.parametrize("form", IN_PLACE)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_in_place(normlab_subject: Subject, op: str, form: str, layout: str) -> None:
+    """The in-place forms (``out=x, residual_out=residual`` is the serving form): the outputs
+    returned are the arrays passed, and hold y and h of the inputs as they were (references
+    from copies taken before the call); statistics compared too. ``residual=x`` adds x to
+    itself."""
+    _require(normlab_subject, op)
+    same, out_of, residual_out_of = IN_PLACE[form]
+    if out_of is not None or residual_out_of is not None:
+        normlab_subject.require_writable()
+    normlab_subject.require_layout(layout)
+    case = _case(normlab_subject, op, shape=(9, 40), seed=37, base_layout=layout)
+    x, residual, kwargs = case.inputs(normlab_subject.name)
+    if same:
+        residual = x
+    arrays = {"x": x, "residual": residual}
+    copies = {k: normlab_subject.to_numpy(a).copy() for k, a in arrays.items()}
+    out = None if out_of is None else arrays[out_of]
+    residual_out = None if residual_out_of is None else arrays[residual_out_of]
+    stats_out = (out, *(None for _ in stats_names(op)))
+    result = case.call(
+        x,
+        residual,
+        **kwargs,
+        out=stats_out if out is not None else None,
+        residual_out=residual_out,
+        backend=normlab_subject.name,
+    )
+    repro = case.snippet(normlab_subject.name) + f"    # in place: {form}\n"
+    y, h, mean, rstd = case.unpack(result, repro)
+    assert out is None or y is out, f"{form}: y must be returned as out itself\n{repro}"
+    assert residual_out is None or h is residual_out, (
+        f"{form}: h must be returned as residual_out itself\n{repro}"
+    )
+    for name, a in arrays.items():
+        if name not in (out_of, residual_out_of) and not (same and name == "residual"):
+            assert normlab_subject.to_numpy(a).tobytes() == copies[name].tobytes(), (
+                f"{form}: {name} was modified\n{repro}"
+            )
+    want_h = np.add(copies["x"], copies["residual"])
+    got = [None if a is None else normlab_subject.to_numpy(a) for a in (y, h, mean, rstd)]
+    _compare_h(got[1], want_h, repro)
+    _, _, weight, bias = case.numpy_inputs()
+    assert got[0] is not None
+    case.base.compare(
+        got[0],
+        got[2],
+        got[3],
+        backend=normlab_subject.name,
+        inputs=(want_h, weight, bias),
+        repro=repro,
+    )
+
+
+def _compare_h(h: np.ndarray | None, want: np.ndarray, repro: str) -> None:
+    assert h is not None, f"h is missing\n{repro}"
+    assert_same_bits(h, want, "h", repro)
+
+
+#: Overlaps refused: name -> what shares memory.
+ALIASING: Final = (
+    "out_is_residual_out",
+    "out_overlaps_residual_out",
+    "out_overlaps_weight",
+    "residual_out_partly_x",
+    "out_partly_residual",
+)
+
+
+@pytest.mark.parametrize("overlap", ALIASING)
+@pytest.mark.parametrize("op", OPS)
+def test_fused_aliasing_refused(normlab_subject: Subject, op: str, overlap: str) -> None:
+    """Outputs sharing memory other than the in-place forms: ArgumentError, and nothing the
+    caller passed is modified."""
+    _require(normlab_subject, op)
+    normlab_subject.require_layout("padded")  # views into one memory: the family has strides
+    s = normlab_subject
+    dtype = numpy_dtype(s.dtype)
+    rng = np.random.default_rng(38)
+    memory = s.from_numpy(rng.standard_normal((4, 36)).astype(dtype))
+    x = s.from_numpy(rng.standard_normal((3, 33)).astype(dtype))
+    residual = s.from_numpy(rng.standard_normal((3, 33)).astype(dtype))
+    weight = s.from_numpy(np.ones(33, dtype))
+    out: Any = None
+    residual_out: Any = None
+    if overlap == "out_is_residual_out":
+        out = residual_out = memory[:3, :33]
+    elif overlap == "out_overlaps_residual_out":
+        out, residual_out = memory[:3, :33], memory[1:, :33]
+    elif overlap == "out_overlaps_weight":
+        weight, out = memory[0, :33], memory[:3, :33]
+    elif overlap == "residual_out_partly_x":
+        x, residual_out = memory[:3, 1:34], memory[:3, :33]
+    else:
+        residual, out = memory[1:, 3:], memory[:3, :33]
+    given = {"memory": memory, "x": x, "residual": residual, "weight": weight}
+    before = {k: s.to_numpy(a).tobytes() for k, a in given.items()}
+    with pytest.raises(ArgumentError):
+        getattr(normlab, FUSED_OPS[op])(
+            x, residual, weight=weight, out=out, residual_out=residual_out, backend=s.name
+        )
+    for what, a in given.items():
+        assert s.to_numpy(a).tobytes() == before[what], f"{overlap}: {what} was modified"
