@@ -21,10 +21,14 @@ import normlab
 from normlab import ArgumentError
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
 from normlab.spec import stats_names
-from normlab.testing.cases import OPS, Case
+from normlab.testing.cases import Case
 from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
 from normlab.testing.subject import Subject
+
+#: The fused ops, and each one's base op.
+FUSED: Final = tuple(FUSED_OPS.values())
+BASE: Final = {fused: base for base, fused in FUSED_OPS.items()}
 
 #: (shape, axis, x values, residual values) of the reference cases.
 SHAPES: Final[dict[str, tuple[tuple[int, ...], Any, str, str]]] = {
@@ -44,9 +48,10 @@ def _case(
     seed: int = 30,
     **changes: Any,
 ) -> FusedCase:
-    """A fused case of ``op``'s base with weight (float32 for half x) and, for layer_norm, a
+    """A case of the fused ``op`` with weight (float32 for half x) and, for add_layer_norm, a
     bias; rowwise x, standard normal residual. ``changes``: FusedCase fields, or Case fields
     (``base_<field>``)."""
+    base_op = BASE[op]
     dtype = dtype or subject.dtype
     param = "float32" if dtype in HALF_DTYPES else dtype
     base_changes = {k.removeprefix("base_"): v for k, v in changes.items() if k.startswith("base_")}
@@ -54,38 +59,36 @@ def _case(
         "values": "rowwise",
         "seed": seed,
         "weight": param,
-        "bias": param if op == "layer_norm" else None,
-        "op": op,
+        "bias": param if base_op == "layer_norm" else None,
+        "op": base_op,
     }
     base = Case(shape, dtype, **{**fields, **base_changes})
     return FusedCase(base, **{k: v for k, v in changes.items() if not k.startswith("base_")})
 
 
-def _require(subject: Subject, op: str) -> str:
-    """Skip unless the fused op of ``op`` reaches the backend; its fused op's name."""
-    subject.require_fused(FUSED_OPS[op])
-    return FUSED_OPS[op]
+def _require(subject: Subject, op: str) -> None:
+    """Skip unless the fused ``op`` reaches the backend."""
+    subject.require_fused(op)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_path(normlab_subject: Subject, op: str) -> None:
     """explain() names the path the suite tests: the backend's own fused kernel where its
     record lists the op, else "composed" (the family's add, then the backend's base op)."""
-    fused = FUSED_OPS[op]
-    path = normlab_subject.require_fused(fused)
+    path = normlab_subject.require_fused(op)
     case = _case(normlab_subject, op)
     x, residual, kwargs = case.inputs(normlab_subject.name)
-    text = normlab.explain(x, residual, **kwargs, backend=normlab_subject.name, op=fused)
+    text = normlab.explain(x, residual, **kwargs, backend=normlab_subject.name, op=op)
     assert f"chosen: {normlab_subject.name} " in text, text
     assert ("composed:" in text) == (path == "composed"), (
-        f"the record {'lists' if path == 'kernel' else 'does not list'} {fused}, yet explain() "
+        f"the record {'lists' if path == 'kernel' else 'does not list'} {op}, yet explain() "
         f"says:\n{text}"
     )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, shape: str) -> None:
     """h bitwise NumPy's x + residual in x's dtype; y and the statistics within the base op's
     tolerances of its reference on that h: rows of 33 and 4097, non-trailing axes, NaN and
@@ -110,7 +113,7 @@ def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, 
 @pytest.mark.parametrize(
     ("layout", "residual_layout"), [("transposed", "c"), ("c", "sliced"), ("padded", "fortran")]
 )
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_layouts(
     normlab_subject: Subject, op: str, layout: str, residual_layout: str
 ) -> None:
@@ -127,7 +130,7 @@ def test_fused_layouts(
 
 @pytest.mark.parametrize("pair", ["absorbed", "cancelling"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_h_rounded_before_normalizing(
     normlab_subject: Subject, op: str, dtype: str, pair: str
 ) -> None:
@@ -144,13 +147,13 @@ def test_fused_h_rounded_before_normalizing(
 
 @pytest.mark.parametrize("return_stats", [False, True])
 @pytest.mark.parametrize("return_residual", [True, False])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_return_forms(
     normlab_subject: Subject, op: str, return_residual: bool, return_stats: bool
 ) -> None:
     """``(y, h)``, ``(y, h, *stats)``, ``y``, ``(y, *stats)``: with return_residual=False the
     result has exactly the form of the base op's (``y`` alone, or its statistics tuple)."""
-    fused = _require(normlab_subject, op)
+    _require(normlab_subject, op)
     case = _case(
         normlab_subject,
         op,
@@ -170,13 +173,13 @@ def test_fused_return_forms(
         assert isinstance(fused_result, tuple) == isinstance(base_result, tuple) and (
             len(fused_result) if isinstance(fused_result, tuple) else 1
         ) == (len(base_result) if isinstance(base_result, tuple) else 1), (
-            f"{fused}(..., return_residual=False) returns {type(fused_result).__name__}, "
-            f"{op} returns {type(base_result).__name__}\n{case.snippet(normlab_subject.name)}"
+            f"{op}(..., return_residual=False) returns {type(fused_result).__name__}, "
+            f"{BASE[op]} returns {type(base_result).__name__}\n{case.snippet(normlab_subject.name)}"
         )
 
 
 @pytest.mark.parametrize("return_residual", [True, False])
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_inputs_never_modified(
     normlab_subject: Subject, op: str, return_residual: bool
 ) -> None:
@@ -213,7 +216,7 @@ def _zeros(subject: Subject, shape: tuple[int, ...], dtype: str, layout: str = "
 @pytest.mark.parametrize(
     "given", ["out", "residual_out", "both", "out_fortran", "residual_out_sliced", "with_stats"]
 )
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_out(normlab_subject: Subject, op: str, given: str) -> None:
     """``out`` (y; with return_stats ``(y, *stats)``) and ``residual_out`` (h), separate
     arrays in any writable layout: written, returned as the very objects passed; the inputs
@@ -270,7 +273,7 @@ IN_PLACE: Final[dict[str, tuple[bool, str | None, str | None]]] = {
 
 @pytest.mark.parametrize("layout", ["c", "padded"])
 @pytest.mark.parametrize("form", IN_PLACE)
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_in_place(normlab_subject: Subject, op: str, form: str, layout: str) -> None:
     """The in-place forms (``out=x, residual_out=residual`` is the serving form): the outputs
     returned are the arrays passed, and hold y and h of the inputs as they were (references
@@ -340,7 +343,7 @@ ALIASING: Final = (
 
 
 @pytest.mark.parametrize("overlap", ALIASING)
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", FUSED)
 def test_fused_aliasing_refused(normlab_subject: Subject, op: str, overlap: str) -> None:
     """Outputs sharing memory other than the in-place forms: ArgumentError, and nothing the
     caller passed is modified."""
@@ -368,7 +371,7 @@ def test_fused_aliasing_refused(normlab_subject: Subject, op: str, overlap: str)
     given = {"memory": memory, "x": x, "residual": residual, "weight": weight}
     before = {k: s.to_numpy(a).tobytes() for k, a in given.items()}
     with pytest.raises(ArgumentError):
-        getattr(normlab, FUSED_OPS[op])(
+        getattr(normlab, op)(
             x, residual, weight=weight, out=out, residual_out=residual_out, backend=s.name
         )
     for what, a in given.items():
