@@ -128,7 +128,9 @@ def add_layer_norm(
     in x's library); ``y`` and the statistics are those of :func:`layer_norm` on that rounded
     ``h``, with the same ``normalized_shape``/``axis``, ``weight``, ``bias`` and ``eps`` rules.
     One pass over the rows where the backend provides the fused op, else the family's add
-    followed by the backend's ``layer_norm`` (:func:`explain` says "composed").
+    followed by the backend's ``layer_norm`` (:func:`explain` says "composed"). The arguments
+    not listed below are :func:`layer_norm`'s. If any input requires grad, ``out`` and
+    ``residual_out`` must be None; ``h`` is differentiable, the statistics are not.
 
     Args:
         x: the block's output (a NumPy, PyTorch or CuPy array, or a family a plugin serves).
@@ -143,8 +145,6 @@ def add_layer_norm(
             into; may be ``residual`` or ``x`` itself (``out=x, residual_out=residual`` is the
             in-place serving form), never the memory of ``out``. Only with
             ``return_residual=True``.
-        The other arguments are :func:`layer_norm`'s. If any input requires grad, ``out`` and
-        ``residual_out`` must be None; ``h`` is differentiable, the statistics are not.
 
     Returns:
         ``(y, h)``; ``(y, h, mean, rstd)`` with ``return_stats``; with
