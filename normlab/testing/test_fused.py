@@ -92,7 +92,8 @@ def test_fused_path(normlab_subject: Subject, op: str) -> None:
 def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, shape: str) -> None:
     """h bitwise NumPy's x + residual in x's dtype; y and the statistics within the base op's
     tolerances of its reference on that h: rows of 33 and 4097, non-trailing axes, NaN and
-    infinities in the residual (compared only outside their rows, which must stay theirs)."""
+    infinities in the residual (h compared everywhere, y and the statistics in the other rows,
+    which must be as without them)."""
     _require(normlab_subject, op)
     normlab_subject.require_dtype(dtype)
     dims, axis, x_values, residual_values = SHAPES[shape]
@@ -106,8 +107,11 @@ def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, 
         base_values=x_values,
         residual=residual_values,
     )
+    rows = None
+    if residual_values == "nan_inf":  # rows whose h holds NaN or an infinity are not compared
+        rows = np.isfinite(case.h().astype(np.float64)).all(axis=1, keepdims=True)
     y, h, mean, rstd = case.run(normlab_subject.name)
-    case.compare(y, h, mean, rstd, backend=normlab_subject.name)
+    case.compare(y, h, mean, rstd, backend=normlab_subject.name, rows=rows)
 
 
 @pytest.mark.parametrize(
