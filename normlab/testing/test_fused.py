@@ -107,9 +107,9 @@ def test_fused_matches_reference(normlab_subject: Subject, op: str, dtype: str, 
         base_values=x_values,
         residual=residual_values,
     )
-    rows = None
+    rows: np.ndarray | None = None
     if residual_values == "nan_inf":  # rows whose h holds NaN or an infinity are not compared
-        rows = np.isfinite(case.h().astype(np.float64)).all(axis=1, keepdims=True)
+        rows = np.asarray(np.isfinite(case.h().astype(np.float64)).all(axis=1, keepdims=True))
     y, h, mean, rstd = case.run(normlab_subject.name)
     case.compare(y, h, mean, rstd, backend=normlab_subject.name, rows=rows)
 
