@@ -20,8 +20,8 @@ that rounded ``h``, return forms, outputs, in-place forms, aliasing refusals), `
 differences, the float64 oracle and torch.autograd, large offsets, bitwise repeatability
 across runs and thread counts, ``needs``, bad inputs). Cases live in :mod:`.cases` (backward
 ones in :mod:`.backward_cases`, fused ones in :mod:`.fused_cases`), dtypes, layouts and
-conversions of arrays in :mod:`.conversions`, bad inputs and their messages in :mod:`.bad_inputs`, hypothesis
-strategies and profiles in :mod:`.strategies`,
+conversions of arrays in :mod:`.conversions`, bad inputs and their messages in
+:mod:`.bad_inputs`, hypothesis strategies and profiles in :mod:`.strategies`,
 tolerances in :mod:`.tolerances`, the backward's float64 oracles in
 :mod:`.backward_reference`, and what a backend claims in :mod:`.subject`.
 """
