@@ -37,7 +37,14 @@ from typing import Any, Final
 import numba
 import numpy as np
 
-from normlab.backends import compile_notices, half_bits, numba_backward, numba_cache, numba_forward
+from normlab.backends import (
+    compile_notices,
+    half_bits,
+    numba_backward,
+    numba_cache,
+    numba_forward,
+    output_pool,
+)
 from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
 from normlab.backends.numba_forward import (
     LONG_ROW_BYTES,
@@ -268,7 +275,7 @@ def _normalize(
     none = _no_stats(stats)
     mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
     rstd = np.empty(plan.rows, stats) if plan.return_stats else none
-    y_np = np.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
+    y_np = output_pool.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
     args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
     # one short row runs on one thread: it does not take the pool from another caller
@@ -385,7 +392,7 @@ def _backward(
     chunks = -(-rows // ROW_CHUNK)
     w = None if weight is None else _parameter(weight, compute, cols, 1.0)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
-    dx = np.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx = output_pool.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
     dw_parts = np.empty((chunks, cols), compute)
     db_parts = np.empty((chunks, cols), compute)
