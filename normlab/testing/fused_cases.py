@@ -20,6 +20,7 @@ from typing import Any, Final
 import numpy as np
 
 import normlab
+from normlab import reference
 from normlab.spec import stats_names
 from normlab.testing.cases import Case, _values, same_kind
 from normlab.testing.conversions import arrange, conversion, driven_family, finfo
@@ -80,7 +81,8 @@ class FusedCase:
     def numpy_inputs(
         self,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        """``(x, residual, weight, bias)`` as C-ordered NumPy arrays of the case's dtypes."""
+        """``(x, residual, weight, bias)`` as C-ordered NumPy arrays of the case's dtypes (a
+        ``"broadcast"`` layout repeats row 0 along axis 0, as the array passed does)."""
         base = self.base
         x, weight, bias = base.numpy_inputs()
         rng = np.random.default_rng((base.seed, 2))
@@ -95,15 +97,31 @@ class FusedCase:
             else:
                 x64 = offset + rng.standard_normal(shape)
                 r64 = -offset + rng.standard_normal(shape)
-            x = self._arranged(x64, x.dtype)
-        return x, self._arranged(r64, x.dtype), weight, bias
+            x = self._arranged(x64, base.layout, x.dtype)
+        return x, self._arranged(r64, self.residual_layout, x.dtype), weight, bias
 
-    def _arranged(self, rows: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
-        """``(rows, cols)`` float64 values placed as the base case places x's, in ``dtype``."""
+    def _arranged(self, rows: np.ndarray, layout: str, dtype: np.dtype[Any]) -> np.ndarray:
+        """``(rows, cols)`` float64 values placed as the base case places x's, in ``dtype``
+        (broadcast from row 0 along axis 0 for the ``"broadcast"`` layout)."""
         base = self.base
         order = base.batch_axes + base.axes
         permuted = rows.reshape(tuple(base.shape[a] for a in order))
-        return np.ascontiguousarray(permuted.transpose(np.argsort(order))).astype(dtype)
+        values = permuted.transpose(np.argsort(order))
+        if layout == "broadcast" and base.shape[0] > 0:
+            values = np.broadcast_to(values[:1], base.shape)
+        return np.ascontiguousarray(values).astype(dtype)
+
+    def has_degenerate_row(self) -> bool:
+        """Whether eps = 0 would divide 0 by 0 in some row of h (see
+        :meth:`Case.has_degenerate_row <normlab.testing.cases.Case.has_degenerate_row>`)."""
+        base = self.base
+        h = reference.to_float64(self.h())
+        rows = h.transpose(base.batch_axes + base.axes).reshape(base.rows, base.cols)
+        if not base.rows:
+            return False
+        if base.op == "rms_norm":
+            return bool((rows == 0).all(axis=1).any())
+        return bool((rows.min(axis=1) == rows.max(axis=1)).any())
 
     def h(self) -> np.ndarray:
         """NumPy's ``x + residual`` in x's dtype: the h every backend must give, bit for bit."""

@@ -16,11 +16,13 @@ from typing import Any, Final
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 import normlab
 from normlab import ArgumentError
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
 from normlab.spec import stats_names
+from normlab.testing import strategies
 from normlab.testing.cases import Case
 from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
@@ -84,6 +86,22 @@ def test_fused_path(normlab_subject: Subject, op: str) -> None:
         f"the record {'lists' if path == 'kernel' else 'does not list'} {op}, yet explain() "
         f"says:\n{text}"
     )
+
+
+@pytest.mark.parametrize("op", FUSED)
+def test_fused_random_calls(normlab_subject: Subject, normlab_settings: settings, op: str) -> None:
+    """Random shapes, axes, dtypes, affine parameters, eps, values and layouts of x and of the
+    residual, both return_residual forms: h bitwise, y and the statistics within tolerance."""
+    _require(normlab_subject, op)
+    name = normlab_subject.name
+    drawn = strategies.fused_cases(normlab_subject.dtypes, normlab_subject.usable_layouts, op)
+
+    @normlab_settings
+    @given(case=drawn)
+    def matches(case: FusedCase) -> None:
+        case.check(name)
+
+    matches()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
