@@ -23,6 +23,7 @@ from normlab import ArgumentError
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
 from normlab.spec import stats_names
 from normlab.testing import strategies
+from normlab.testing.backward_cases import BackwardCase
 from normlab.testing.cases import Case
 from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
@@ -399,3 +400,52 @@ def test_fused_aliasing_refused(normlab_subject: Subject, op: str, overlap: str)
         )
     for what, a in given.items():
         assert s.to_numpy(a).tobytes() == before[what], f"{overlap}: {what} was modified"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", FUSED)
+def test_fused_autograd(normlab_subject: Subject, op: str, dtype: str) -> None:
+    """Tensors that require grad, where the backend keeps the graph: y's gradient reaches x
+    and residual alike as the base op's gradient at the rounded h (the float64 oracle's dx,
+    dweight, dbias, within the backward's tolerances), and h's gradient reaches both
+    unchanged (bitwise)."""
+    s = normlab_subject
+    _require(s, op)
+    s.require_dtype(dtype)
+    s.require_graph(op)
+    if s.family != "torch":
+        pytest.skip(f"autograd records torch tensors; backend {s.name!r} is tested with {s.family}")
+    import torch
+
+    case = _case(s, op, dtype, shape=(33, 40), seed=39, base_return_stats=False)
+    backward = BackwardCase(case.base)
+    dy_values = backward.numpy_inputs()[1]
+    dh_values = np.random.default_rng((39, 3)).standard_normal(dy_values.shape)
+    dh_values = dh_values.astype(dy_values.dtype)
+    repro = case.snippet(s.name)
+    for wrt, grad in (("y", s.from_numpy(dy_values)), ("h", s.from_numpy(dh_values))):
+        x, residual, kwargs = case.inputs(s.name)
+        leaves = {"x": x.requires_grad_(), "residual": residual.requires_grad_()}
+        for name in ("weight", "bias"):
+            if name in kwargs:
+                leaves[name] = kwargs[name].requires_grad_()
+        y, h = case.call(x, residual, **kwargs, backend=s.name)
+        torch.autograd.backward([y if wrt == "y" else h], [grad])
+        grads = {
+            name: None if leaf.grad is None else np.asarray(s.to_numpy(leaf.grad))
+            for name, leaf in leaves.items()
+        }
+        for name in ("x", "residual"):
+            assert grads[name] is not None, f"d{name} is missing (gradient of {wrt})\n{repro}"
+        if wrt == "h":
+            for name, got in grads.items():
+                if name in ("x", "residual"):
+                    assert got is not None
+                    assert_same_bits(got, dh_values, f"d{name} (gradient of h)", repro)
+                else:
+                    assert got is None or not got.any(), f"h's gradient reached {name}\n{repro}"
+            continue
+        dresidual = grads.pop("residual")
+        assert dresidual is not None
+        backward.compare(grads, backend=s.name, x=case.h(), repro=repro)
+        backward.compare({"x": dresidual}, backend=s.name, x=case.h(), repro=repro)
