@@ -26,6 +26,7 @@ device returns them in a half type (rstd with eps added in float64).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Final
@@ -165,16 +166,23 @@ def _checked(x: torch.Tensor) -> bool:
 def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | None:
     """A boolean mask of the rows whose results torch got wrong (see the module docstring), or
     None when there is none. Rows-sized: one min/max reduction of ``rstd`` when all is well."""
-    limit = math.inf
-    eps_lost = plan.compute_dtype == "float32" and plan.eps < _FLOAT32_TINY
-    if plan.eps > 0 and ((centre and plan.dtype in HALF_DTYPES) or eps_lost):
-        limit = 0.5 / math.sqrt(plan.eps)  # eps dominates the variance beyond this rstd
-    tiny = _TINY[plan.compute_dtype]
-    if plan.eps < tiny / MACHINE_EPS[plan.compute_dtype]:  # squares may underflow unseen
-        limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
+    limit = _rstd_limit(plan.dtype, plan.compute_dtype, plan.eps, centre)
     if _all_within(rstd, limit):
         return None
     return ((rstd > 0) & (rstd < limit)).logical_not().reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _rstd_limit(dtype: str, compute_dtype: str, eps: float, centre: bool) -> float:
+    """The largest ``rstd`` of a row torch got right (a larger one is recomputed)."""
+    limit = math.inf
+    eps_lost = compute_dtype == "float32" and eps < _FLOAT32_TINY
+    if eps > 0 and ((centre and dtype in HALF_DTYPES) or eps_lost):
+        limit = 0.5 / math.sqrt(eps)  # eps dominates the variance beyond this rstd
+    tiny = _TINY[compute_dtype]
+    if eps < tiny / MACHINE_EPS[compute_dtype]:  # squares may underflow unseen
+        limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
+    return limit
 
 
 def _all_within(rstd: torch.Tensor, limit: float) -> bool:
