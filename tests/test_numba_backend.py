@@ -223,34 +223,13 @@ def test_a_call_of_32_rows_of_768_runs_in_parallel() -> None:
     assert held == numba.get_num_threads()
 
 
-def test_take_next_hands_out_each_piece_exactly_once() -> None:
-    """The parallel kernels' piece counter is one atomic step: threads racing for pieces get
-    every index once, and each prange iteration ends on one take past the last piece."""
-    from numba import njit, prange
-
-    @njit(parallel=True)  # type: ignore[untyped-decorator]
-    def race(counter: Any, seen: Any, pieces: int) -> None:
-        for _ in prange(pieces):
-            c = numba_forward.take_next(counter)
-            while c < pieces:
-                seen[c] += 1
-                c = numba_forward.take_next(counter)
-
-    pieces = 200_000
-    seen, counter = np.zeros(pieces, np.int64), np.zeros(1, np.int64)
-    race(counter, seen, pieces)
-    assert (seen == 1).all()
-    assert counter[0] == 2 * pieces
-
-
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("rows", [1, 23, 31, 32, 33, 64, 65, 97])
 def test_results_around_the_parallel_threshold_do_not_depend_on_threads(
     threads: Callable[[int], None], op: str, rows: int
 ) -> None:
     """Forward and backward give the same bits on one thread and on two, for the sizes around
-    SERIAL_ELEMENTS (32 x 768 is at it) and around the backward's row chunks (32 rows each),
-    where the threads take pieces of rows as they come free."""
+    SERIAL_ELEMENTS (32 x 768 is at it) and around the backward's row chunks (32 rows each)."""
     x = _data((rows, 768), "float32", loc=0.5)
     w = _data((768,), "float32", seed=1)
     dy = _data((rows, 768), "float32", seed=2)

@@ -75,11 +75,6 @@ numba_cache.adopt(half_bits, numba_forward, numba_backward)
 #: they did; see docs/numba.md), and a busy machine can delay the pool's wake-up.
 SERIAL_ELEMENTS: Final = 3 << 13
 
-#: A parallel call cuts its rows (or row segments) into this many pieces per thread, which the
-#: threads take one at a time as they come free: a thread the system delays holds up one piece,
-#: not a fixed share of the call (on a shared machine that share stretched whole calls).
-PIECES_PER_THREAD: Final = 4
-
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
 
@@ -173,16 +168,10 @@ def load_serial_first(
 RowArgs = tuple[Any, Any, Any, Any, float, Any, Any, bool]
 
 
-def _pieces(items: int, threads: int) -> int:
-    """The pieces a parallel kernel cuts ``items`` (rows, or row segments) into, for its
-    threads to take one at a time: :data:`PIECES_PER_THREAD` per thread, at most one each."""
-    return min(items, PIECES_PER_THREAD * threads)
-
-
 def _rows_parallel(args: RowArgs, threads: int) -> None:
     """``layer_norm_rows_parallel`` on ``args`` (those of ``layer_norm_rows`` without the range)."""
     load_serial_first(layer_norm_rows_parallel, args, (layer_norm_rows, (*args, 0, 0)))
-    layer_norm_rows_parallel(*args, _pieces(args[0].shape[0], threads))
+    layer_norm_rows_parallel(*args, threads)
 
 
 def _long_rows(args: RowArgs) -> None:
@@ -211,7 +200,7 @@ def _long_rows_parallel(args: RowArgs, threads: int) -> None:
         (merge_segments, (x, w, eps, centre, moments, stats, wide, mean, rstd)),
         (write_segments, (x, y, w, b, stats, wide, 0, 0)),
     )
-    long_rows_parallel(*args, _pieces(x.shape[0] * moments.shape[1], threads))
+    long_rows_parallel(*args, threads)
 
 
 def threading_layer(start: bool = False) -> str:

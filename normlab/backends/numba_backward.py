@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from normlab.backends.numba_forward import FASTMATH, load, narrow, store, sub_exact, take_next
+from normlab.backends.numba_forward import FASTMATH, load, narrow, store, sub_exact
 
 #: Elements per block of a row sum (compute dtype within, float64 across blocks). This module's
 #: own constant, not the forward's: numba would freeze another file's value into these kernels'
@@ -284,16 +284,14 @@ def backward_chunks_parallel(
     chunk: int,
     threads: int,
 ) -> None:
-    # backward_chunks over every chunk, on `threads` threads that take the chunks one at a time
-    # as they come free (dynamic scheduling; chunk c's sums go to row c of the parts, whichever
-    # thread computes it; other arguments as there).
+    # backward_chunks over every chunk, the chunks split into `threads` equal ranges that run in
+    # parallel (threads: numba.get_num_threads() at call time; other arguments as there).
     chunks = dw_parts.shape[0]
-    taken = np.zeros(1, np.int64)
-    for _ in prange(threads):
-        c = take_next(taken)
-        while c < chunks:
-            backward_chunks(dy, x, mean, rstd, w, dx, dw_parts, db_parts, chunk, c, c + 1)
-            c = take_next(taken)
+    for t in prange(threads):
+        backward_chunks(
+            dy, x, mean, rstd, w, dx, dw_parts, db_parts, chunk,
+            chunks * t // threads, chunks * (t + 1) // threads,
+        )  # fmt: skip
 
 
 @njit(error_model="numpy", cache=True)

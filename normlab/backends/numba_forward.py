@@ -57,7 +57,7 @@ from typing import Any, Final
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from normlab.backends import numba_cache  # noqa: F401  (places the kernels' cache; first)
 from normlab.backends.half_convert import (
@@ -78,7 +78,6 @@ __all__ = [
     "merge_segments",
     "segment_moments",
     "sub_exact",
-    "take_next",
     "write_segments",
 ]
 
@@ -442,40 +441,16 @@ def layer_norm_rows(
         _wide_rows(x, y, w, b, eps, mean, rstd, centre, start, wide)
 
 
-@intrinsic
-def take_next(typingctx: Any, counter: Any) -> Any:
-    """``counter[0] += 1`` as one atomic step, answering the value before: the next piece of
-    work for the thread that asks (``counter``: a 1-D int64 array shared by the threads).
-
-    A Numba intrinsic: callable from jitted code only."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("add", array.data, one, "monotonic")
-
-    return types.int64(counter), codegen
-
-
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
 def layer_norm_rows_parallel(
     x: Any, y: Any, w: Any, b: Any, eps: float, mean: Any, rstd: Any, centre: bool, chunks: int
 ) -> None:
-    # layer_norm_rows over all rows, cut into `chunks` equal ranges of rows (pieces) that
-    # numba's threads take one at a time as they come free (dynamic scheduling: a thread the
-    # system delays holds up at most one piece). A row's result is the same on any thread.
-    # Every iteration of the prange takes pieces until none is left: a thread's first one
-    # drains the pieces with the others, its later ones find none (one atomic step each).
+    # layer_norm_rows over all rows, split into `chunks` equal ranges that run in parallel on
+    # numba's threads (chunks: the thread count at call time; other arguments as there).
     rows = x.shape[0]
-    taken = np.zeros(1, np.int64)
-    for _ in prange(chunks):
-        c = take_next(taken)
-        while c < chunks:
-            start, stop = rows * c // chunks, rows * (c + 1) // chunks
-            layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
-            c = take_next(taken)
+    for c in prange(chunks):
+        start, stop = rows * c // chunks, rows * (c + 1) // chunks
+        layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,9 +551,8 @@ def long_rows_parallel(
 ) -> None:
     # LayerNorm or RMSNorm of every row of x in the segmented one-pass form (arguments as in
     # layer_norm_rows, but w and b may be SEGMENT long: see write_segments): the segments of all
-    # rows cut into `chunks` equal ranges of items (pieces), for the moments and again for y,
-    # that the threads take one at a time as they come free (as layer_norm_rows_parallel);
-    # the merge runs on the calling thread. On one thread the numba backend calls the
+    # rows split into `chunks` equal ranges of items, for the moments and again for y, in
+    # parallel; the merge runs on the calling thread. On one thread the numba backend calls the
     # same three kernels in turn (a fused serial kernel would carry its own copies of them,
     # optimized apart and rounded differently).
     rows, cols = x.shape
@@ -587,16 +561,8 @@ def long_rows_parallel(
     moments = np.empty((rows, segments, 2))
     stats = np.empty((rows, 3))
     wide = np.empty(rows, np.bool_)
-    taken = np.zeros(2, np.int64)  # one counter per loop: [0] the moments, [1] y
-    for _ in prange(chunks):
-        c = take_next(taken[0:1])
-        while c < chunks:
-            first, last = items * c // chunks, items * (c + 1) // chunks
-            segment_moments(x, w, centre, moments, first, last)
-            c = take_next(taken[0:1])
+    for c in prange(chunks):
+        segment_moments(x, w, centre, moments, items * c // chunks, items * (c + 1) // chunks)
     merge_segments(x, w, eps, centre, moments, stats, wide, mean, rstd)
-    for _ in prange(chunks):
-        c = take_next(taken[1:2])
-        while c < chunks:
-            write_segments(x, y, w, b, stats, wide, items * c // chunks, items * (c + 1) // chunks)
-            c = take_next(taken[1:2])
+    for c in prange(chunks):
+        write_segments(x, y, w, b, stats, wide, items * c // chunks, items * (c + 1) // chunks)
