@@ -70,10 +70,11 @@ __all__ = [
 
 numba_cache.adopt(half_bits, numba_forward, numba_backward)
 
-#: Below this many elements (rows * cols) a call runs on the calling thread: there two threads
-#: did not beat one (measured on 2 cores, interleaved; 32 x 768 float32 is the first size where
-#: they did; see docs/numba.md), and a busy machine can delay the pool's wake-up.
-SERIAL_ELEMENTS: Final = 3 << 13
+#: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
+#: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
+#: milliseconds (measured on 2 cores; see docs/numba.md: at 32 x 768, 2^14.6 elements, two
+#: threads saved 5-10% on a lightly loaded machine and cost 100 times the call on a busy one).
+SERIAL_ELEMENTS: Final = 1 << 15
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
