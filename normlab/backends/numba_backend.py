@@ -369,12 +369,11 @@ def _add_normalize(
     h_np = None
     if plan.return_residual:
         h_np = output_pool.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
-
-    def bits(a: np.ndarray) -> np.ndarray:
-        return _as_bits(a, plan.dtype)
-
-    x_bits, r_bits, y_bits = bits(x_np), bits(r_np), bits(y_np)
-    h_bits = None if h_np is None else bits(h_np)
+    if k.bits is None:
+        x_bits, r_bits, y_bits, h_bits = x_np, r_np, y_np, h_np
+    else:
+        x_bits, r_bits, y_bits = x_np.view(k.bits), r_np.view(k.bits), y_np.view(k.bits)
+        h_bits = None if h_np is None else h_np.view(k.bits)
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
         if long:
