@@ -21,6 +21,7 @@ timings taken at call time. The ``normlab.dispatch`` logger says at DEBUG what w
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -65,12 +66,15 @@ class Choice:
     ``records_no_graph``: the call is on torch tensors and the backend records no autograd graph
     itself (no ``autograd`` capability); the core runs such a backend through normlab's custom
     ops when a tensor requires grad or a torch trace is in progress (:mod:`normlab.autograd`).
+    ``composed``: a fused op that no able backend provides, served by the core's composition on
+    the backend chosen for its base op (:mod:`normlab.fused`).
     """
 
     backend: Backend
     how: str
     notes: tuple[str, ...]
     records_no_graph: bool = False
+    composed: bool = False
 
 
 @contextmanager
@@ -223,9 +227,9 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
     )
     choice = _choices.get(key)
     if choice is None:
-        choice = _decide(plan, named, preference)
+        choice = _decide_or_compose(plan, named, preference)
         if plan.family == "torch" and "autograd" not in choice.backend.capabilities:
-            choice = Choice(choice.backend, choice.how, choice.notes, records_no_graph=True)
+            choice = dataclasses.replace(choice, records_no_graph=True)
         _choices[key] = choice
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: %s", key[:5], "; ".join(choice.notes))
@@ -252,6 +256,19 @@ def _cheapest(able: list[tuple[Backend, float | None]]) -> tuple[Backend, bool]:
         return first, False
     estimated = [(e, i) for i, (_, e) in enumerate(able) if e is not None]
     return able[min(estimated)[1]][0], len(estimated) > 1
+
+
+def _decide_or_compose(plan: Plan, named: str | None, preference: str | None) -> Choice:
+    """:func:`_decide`; for a fused op that no able backend provides, the choice for its base
+    op, marked ``composed`` (when even that fails, the base op's error)."""
+    base = OPS[plan.op].base if plan.op in OPS else None
+    try:
+        return _decide(plan, named, preference)
+    except BackendError:
+        if base is None:
+            raise
+    base_plan = dataclasses.replace(plan, op=base, return_residual=False)
+    return dataclasses.replace(_decide(base_plan, named, preference), composed=True)
 
 
 def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:

@@ -21,7 +21,7 @@ from typing import Any
 
 from normlab import arrays, autograd, dispatch, layout, spec
 from normlab.dispatch import Choice
-from normlab.errors import BackendError, NormlabError
+from normlab.errors import NormlabError
 from normlab.hookspecs import Plan
 from normlab.ops import OPS
 from normlab.spec import Aliasing, Layout
@@ -99,12 +99,11 @@ def base_plan(plan: Plan) -> Plan:
 
 def choose(call: Layout, named: str | None) -> tuple[Choice, bool]:
     """The backend for a fused call, and whether the core composes it: a backend providing the
-    fused op, else (``True``) one providing the base op. A backend that cannot serve even the
-    base op raises the base op's :class:`~normlab.errors.BackendError`."""
-    try:
-        return dispatch.choose(call.plan, named), False
-    except BackendError:
-        return dispatch.choose(base_plan(call.plan), named), True
+    fused op, else (``True``) one providing the base op (:func:`normlab.dispatch.choose` decides
+    and caches both). A backend that cannot serve even the base op raises the base op's
+    :class:`~normlab.errors.BackendError`."""
+    choice = dispatch.choose(call.plan, named)
+    return choice, choice.composed
 
 
 def route(call: Layout, choice: Choice) -> FusedRoute:
