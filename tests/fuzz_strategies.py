@@ -8,6 +8,7 @@ reach (each found a silent wrong answer once), and :func:`input_classes` tells t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from decimal import Decimal
 from fractions import Fraction
@@ -15,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 import torch
-from fuzz_model import FLOATS, HALF, Backward, Forward, Param
+from fuzz_model import FLOATS, HALF, OVERLAPS, Backward, Forward, Fused, Param
 from hypothesis import strategies as st
 
 from normlab.constants import MACHINE_EPS
@@ -291,4 +292,86 @@ def backward_calls(draw: st.DrawFn) -> Backward:
         needs=needs,
         backend=draw(st.sampled_from(BACKEND_NAMES)),
         seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+#: The fused ops' own forms of their arguments (fuzz_model.Fused), valid and invalid.
+VALID_RESIDUALS: Final = ("ok", "ok", "ok", "ok", "x", "x_view", "overlaps_x")
+INVALID_RESIDUALS: Final = ("wrong_shape", "wrong_dtype", "other_family", "list")
+#: Residual values: as x's, cancelling x (h small, mostly its rounding), below x's spacing.
+RESIDUAL_VALUES: Final = ("independent", "independent", "cancel", "small")
+INVALID_RETURN_RESIDUAL: Final = (1, None, np.True_, "yes")
+#: ``out`` forms only the fused ops have (x's own is the base op's ``out="x"``).
+FUSED_OUT: Final = ("residual", "residual_view", "x_view")
+RESIDUAL_OUT_LAYOUTS: Final = {
+    "numpy": ("c", "fortran", "transposed", "sliced", "reversed", "swapped", "unaligned"),
+    "torch": ("c", "fortran", "transposed", "sliced"),
+}
+VALID_RESIDUAL_OUT: Final = ("residual", "residual_view", "x", "x_view")
+INVALID_RESIDUAL_OUT: Final = (
+    "out",
+    "wrong_shape",
+    "wrong_dtype",
+    "other_family",
+    "broadcast",
+    "tuple",
+    "list",
+    "aliases_weight",
+    "post_norm",  # a valid residual_out with return_residual=False
+    "overlap",  # partly the memory of out, x or the residual
+)
+#: (out, residual_out) pairs drawn together: the serving form, its mirror, and two that share.
+PAIRS: Final = (("x", "residual"), ("residual", "x"), ("x", "x"), ("residual", "residual"))
+
+
+@st.composite
+def fused_calls(draw: st.DrawFn) -> Fused:
+    """An ``add_layer_norm``/``add_rms_norm`` call: the base op's arguments as
+    :func:`forward_calls` draws them, and at most one of the fused arguments (residual,
+    return_residual, residual_out) invalid."""
+    call = draw(forward_calls())
+    family = call.family
+    wrong = draw(st.sampled_from([None, None, None, "residual", "return_residual", "residual_out"]))
+    residuals = INVALID_RESIDUALS if wrong == "residual" else VALID_RESIDUALS
+    residuals += ("masked",) if family == "numpy" and wrong == "residual" else ()
+    residuals += ("requires_grad",) if family == "torch" and wrong != "residual" else ()
+    residual = draw(st.sampled_from(residuals))
+    return_residual = draw(
+        st.sampled_from(
+            INVALID_RETURN_RESIDUAL if wrong == "return_residual" else (True, True, False)
+        )
+    )
+    out = residual_out = overlap = None
+    if wrong == "residual_out":
+        invalid = [*INVALID_RESIDUAL_OUT, "readonly" if family == "numpy" else "requires_grad"]
+        residual_out = draw(st.sampled_from(invalid + (["masked"] if family == "numpy" else [])))
+        if residual_out == "post_norm":
+            residual_out, return_residual = "c", False
+        elif residual_out == "overlap":
+            residual_out = None
+            overlap = draw(st.sampled_from([o for o in OVERLAPS if o != "residual~x"]))
+        elif return_residual is False:
+            return_residual = True  # one thing wrong at a time
+    elif draw(st.integers(0, 5)) == 0:
+        out, residual_out = draw(st.sampled_from(PAIRS))
+    else:
+        out = draw(st.sampled_from((None,) * 6 + FUSED_OUT))
+        residual_out = draw(
+            st.sampled_from((None,) * 6 + RESIDUAL_OUT_LAYOUTS[family] + VALID_RESIDUAL_OUT)
+        )
+    if residual == "overlaps_x":
+        residual, overlap = "ok", "residual~x"
+    if residual_out is not None and wrong != "residual_out" and wrong != "return_residual":
+        return_residual = True  # a residual_out with return_residual=False is drawn as wrong
+    if out is not None or overlap is not None or residual_out in ("out", "aliases_weight"):
+        call = dataclasses.replace(call, out=None)  # the fused form replaces the base op's
+    return Fused(
+        call=call,
+        residual=residual,
+        residual_layout=draw(st.sampled_from(LAYOUTS[family])),
+        residual_values=draw(st.sampled_from(RESIDUAL_VALUES)),
+        return_residual=return_residual,
+        out=out,
+        residual_out=residual_out,
+        overlap=overlap,
     )

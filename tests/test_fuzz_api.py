@@ -34,14 +34,25 @@ torch = pytest.importorskip("torch")
 from fuzz_model import (  # noqa: E402
     Backward,
     Forward,
+    Fused,
     axes_problems,
     check_backward_result,
     check_forward_result,
+    check_fused_result,
     is_array,
+    named_outputs,
+    shares_memory,
     snapshot,
     unchanged,
+    unfused_add,
 )
-from fuzz_strategies import INPUT_CLASSES, backward_calls, forward_calls, input_classes  # noqa: E402
+from fuzz_strategies import (  # noqa: E402
+    INPUT_CLASSES,
+    backward_calls,
+    forward_calls,
+    fused_calls,
+    input_classes,
+)
 
 from normlab.testing.conversions import as_float64  # noqa: E402
 
@@ -94,6 +105,44 @@ def test_forward_calls_give_the_reference_or_a_normlab_error(
     for name in ("x", "weight", "bias"):
         if name in before and not (name == "x" and in_place):
             assert unchanged(before[name], arrays[name]), f"{name} was modified"
+
+
+@FUZZ
+@given(fz=fused_calls())
+def test_fused_calls(fz: Fused, no_preference: None) -> None:
+    """``add_layer_norm``/``add_rms_norm`` calls: a NormlabError the model expects, or ``h``
+    bitwise the unfused add of the inputs as they were, ``y`` and the statistics the base op's
+    of that ``h``, outputs passed returned as themselves, every other array untouched."""
+    kwargs = fz.build()
+    expected = fz.problems(kwargs)
+    note(f"expected errors: {sorted(e.__name__ for e in expected)}")
+    arrays = {k: v for k, v in kwargs.items() if is_array(v)} | fz.call.arrays | fz.arrays
+    before = {k: snapshot(v) for k, v in arrays.items()}
+    h_want = unfused_add(kwargs["x"], kwargs["residual"]) if not expected else None
+    function = normlab.add_layer_norm if fz.call.op == "layer_norm" else normlab.add_rms_norm
+    try:
+        if fz.call.preference is None:
+            result = function(**kwargs)
+        else:
+            with normlab.use_backend(fz.call.preference):
+                result = function(**kwargs)
+    except normlab.NormlabError as exc:
+        event(f"{fz.op}: raised {type(exc).__name__}")
+        assert expected, f"a valid call raised {type(exc).__name__}: {exc}"
+        assert isinstance(exc, tuple(expected)), (
+            f"raised {type(exc).__name__} ({exc}); the model expects one of "
+            f"{sorted(e.__name__ for e in expected)}"
+        )
+        for name, saved in before.items():  # a refused call modifies nothing
+            assert unchanged(saved, arrays[name]), f"{name} was modified by a refused call"
+        return
+    assert h_want is not None, f"accepted a call the model rejects: {sorted(map(str, expected))}"
+    event(f"{fz.op}: returned, checked against the reference")
+    outputs = [o for o in named_outputs(kwargs.get("out"), kwargs.get("residual_out")).values()]
+    for name, saved in before.items():  # only the outputs' memory is written
+        if not any(is_array(o) and shares_memory(o, arrays[name]) for o in outputs):
+            assert unchanged(saved, arrays[name]), f"{name} was modified"
+    check_fused_result(fz, kwargs, result, h_want)
 
 
 def test_the_fuzzer_generates_every_input_class() -> None:
