@@ -170,9 +170,10 @@ def _param(draw: st.DrawFn, family: str, dtype: str, valid: bool) -> Param | Non
 
 
 @st.composite
-def forward_calls(draw: st.DrawFn) -> Forward:
-    """A call with at most two arguments drawn from their invalid values, the rest valid."""
-    wrong = draw(st.sets(st.sampled_from(ARGUMENTS), max_size=2))
+def forward_calls(draw: st.DrawFn, max_wrong: int = 2) -> Forward:
+    """A call with at most ``max_wrong`` arguments drawn from their invalid values, the rest
+    valid."""
+    wrong = draw(st.sets(st.sampled_from(ARGUMENTS), max_size=max_wrong))
     op = draw(st.sampled_from(["layer_norm", "layer_norm", "rms_norm"]))
     family = draw(st.sampled_from(["numpy", "torch"]))
     floats = [*FLOATS] if "x" not in wrong else [*NOT_FLOATS[family], "not_an_array"]
@@ -319,17 +320,20 @@ INVALID_RESIDUAL_OUT: Final = (
     "aliases_weight",
     "post_norm",  # a valid residual_out with return_residual=False
     "overlap",  # partly the memory of out, x or the residual
+    "shared_pair",  # out and residual_out both x, or both the residual
+    "with_grad",  # a valid residual_out while an input requires grad
 )
-#: (out, residual_out) pairs drawn together: the serving form, its mirror, and two that share.
-PAIRS: Final = (("x", "residual"), ("residual", "x"), ("x", "x"), ("residual", "residual"))
+#: (out, residual_out) pairs drawn together: the serving form and its mirror.
+PAIRS: Final = (("x", "residual"), ("residual", "x"))
+SHARED_PAIRS: Final = (("x", "x"), ("residual", "residual"))
 
 
 @st.composite
 def fused_calls(draw: st.DrawFn) -> Fused:
     """An ``add_layer_norm``/``add_rms_norm`` call: the base op's arguments as
-    :func:`forward_calls` draws them, and at most one of the fused arguments (residual,
-    return_residual, residual_out) invalid."""
-    call = draw(forward_calls())
+    :func:`forward_calls` draws them (at most one invalid), and at most one of the fused
+    arguments (residual, return_residual, residual_out) invalid."""
+    call = draw(forward_calls(max_wrong=1))  # the fused arguments add their own
     family = call.family
     wrong = draw(st.sampled_from([None, None, None, "residual", "return_residual", "residual_out"]))
     residuals = INVALID_RESIDUALS if wrong == "residual" else VALID_RESIDUALS
@@ -342,16 +346,22 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         )
     )
     out = residual_out = overlap = None
+    post_norm = False
     if wrong == "residual_out":
         invalid = [*INVALID_RESIDUAL_OUT, "readonly" if family == "numpy" else "requires_grad"]
         residual_out = draw(st.sampled_from(invalid + (["masked"] if family == "numpy" else [])))
-        if residual_out == "post_norm":
-            residual_out, return_residual = "c", False
+        post_norm = residual_out == "post_norm"
+        if post_norm:
+            residual_out = "c"
         elif residual_out == "overlap":
             residual_out = None
             overlap = draw(st.sampled_from([o for o in OVERLAPS if o != "residual~x"]))
-        elif return_residual is False:
-            return_residual = True  # one thing wrong at a time
+        elif residual_out == "shared_pair":
+            out, residual_out = draw(st.sampled_from(SHARED_PAIRS))
+        elif residual_out == "with_grad":
+            residual_out = "c"
+            if family == "torch" and not call.requires_grad:
+                residual = "requires_grad"
     elif draw(st.integers(0, 5)) == 0:
         out, residual_out = draw(st.sampled_from(PAIRS))
     else:
@@ -361,10 +371,14 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         )
     if residual == "overlaps_x":
         residual, overlap = "ok", "residual~x"
-    if residual_out is not None and wrong != "residual_out" and wrong != "return_residual":
-        return_residual = True  # a residual_out with return_residual=False is drawn as wrong
+    if residual_out is not None and wrong != "return_residual":
+        return_residual = not post_norm  # residual_out with return_residual=False: post_norm
     if out is not None or overlap is not None or residual_out in ("out", "aliases_weight"):
         call = dataclasses.replace(call, out=None)  # the fused form replaces the base op's
+    if wrong is None and (out is not None or residual_out is not None or call.out is not None):
+        # outputs with an input that requires grad are drawn as wrong (with_grad)
+        call = dataclasses.replace(call, requires_grad=False)
+        residual = "ok" if residual == "requires_grad" else residual
     return Fused(
         call=call,
         residual=residual,
