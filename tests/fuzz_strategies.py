@@ -16,9 +16,20 @@ from typing import Any, Final
 
 import numpy as np
 import torch
-from fuzz_model import FLOATS, HALF, OVERLAPS, Backward, Forward, Fused, Param
+from fuzz_model import (
+    FLOATS,
+    HALF,
+    OVERLAPS,
+    Backward,
+    Forward,
+    Fused,
+    Param,
+    is_array,
+    same_elements,
+)
 from hypothesis import strategies as st
 
+import normlab
 from normlab.constants import MACHINE_EPS
 from normlab.testing import conversions
 
@@ -319,7 +330,9 @@ INVALID_RESIDUAL_OUT: Final = (
     "list",
     "aliases_weight",
     "post_norm",  # a valid residual_out with return_residual=False
-    "overlap",  # partly the memory of out, x or the residual
+    "overlap",  # partly the memory of out, x or the residual (thrice: four pairs, and it
+    "overlap",  # takes x of two or more rows)
+    "overlap",
     "shared_pair",  # out and residual_out both x, or both the residual
     "with_grad",  # a valid residual_out while an input requires grad
 )
@@ -389,3 +402,37 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         residual_out=residual_out,
         overlap=overlap,
     )
+
+
+#: Forms of the fused ops' contract the fuzzer must generate (valid unless said otherwise);
+#: their counts are asserted, see test_the_fuzzer_generates_every_fused_form.
+FUSED_FORMS: Final = (
+    "in-place serving form (out=x, residual_out=residual)",
+    "residual passed as x",
+    "post-norm form (return_residual=False)",
+    "half-precision h that rounds (a small or cancelling residual)",
+    "outputs partly overlapping, refused",
+)
+
+
+def fused_forms(fz: Fused, kwargs: dict[str, Any], expected: set[type[Exception]]) -> list[str]:
+    """The :data:`FUSED_FORMS` the call ``fz`` (built as ``kwargs``, the model expecting
+    ``expected``) belongs to."""
+    x, residual = kwargs["x"], kwargs["residual"]
+    out, residual_out = kwargs.get("out"), kwargs.get("residual_out")
+    forms = []
+    if expected:
+        overlaps = fz.overlap not in (None, "residual~x") and fz.call.shape[:1] >= (2,)
+        if overlaps and math.prod(fz.call.shape) > 0 and normlab.ArgumentError in expected:
+            forms.append(FUSED_FORMS[4])
+        return forms
+    in_place = is_array(out) and is_array(residual_out) and same_elements(out, x)
+    if in_place and same_elements(residual_out, residual):
+        forms.append(FUSED_FORMS[0])
+    if is_array(residual) and same_elements(residual, x):
+        forms.append(FUSED_FORMS[1])
+    if fz.return_residual is False:
+        forms.append(FUSED_FORMS[2])
+    if fz.call.dtype in HALF and fz.residual_values in ("small", "cancel"):
+        forms.append(FUSED_FORMS[3])
+    return forms

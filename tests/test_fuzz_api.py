@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any, Final
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 
@@ -35,6 +36,7 @@ from fuzz_model import (  # noqa: E402
     Backward,
     Forward,
     Fused,
+    aliasing_problems,
     axes_problems,
     check_backward_result,
     check_forward_result,
@@ -47,10 +49,12 @@ from fuzz_model import (  # noqa: E402
     unfused_add,
 )
 from fuzz_strategies import (  # noqa: E402
+    FUSED_FORMS,
     INPUT_CLASSES,
     backward_calls,
     forward_calls,
     fused_calls,
+    fused_forms,
     input_classes,
 )
 
@@ -116,6 +120,8 @@ def test_fused_calls(fz: Fused, no_preference: None) -> None:
     kwargs = fz.build()
     expected = fz.problems(kwargs)
     note(f"expected errors: {sorted(e.__name__ for e in expected)}")
+    for form in fused_forms(fz, kwargs, expected):
+        event(f"fused form: {form}")
     arrays = {k: v for k, v in kwargs.items() if is_array(v)} | fz.call.arrays | fz.arrays
     before = {k: snapshot(v) for k, v in arrays.items()}
     h_want = unfused_add(kwargs["x"], kwargs["residual"]) if not expected else None
@@ -158,6 +164,22 @@ def test_the_fuzzer_generates_every_input_class() -> None:
 
     draw()
     assert all(seen.values()), f"input classes never drawn in {EXAMPLES} calls: {seen}"
+
+
+def test_the_fuzzer_generates_every_fused_form() -> None:
+    """The strategy of test_fused_calls, at the same size, draws every form of
+    :data:`FUSED_FORMS` (drawn, built and judged by the model only: no call is made)."""
+    seen: dict[str, int] = dict.fromkeys(FUSED_FORMS, 0)
+
+    @FUZZ
+    @given(fz=fused_calls())
+    def draw(fz: Fused) -> None:
+        kwargs = fz.build()
+        for form in fused_forms(fz, kwargs, fz.problems(kwargs)):
+            seen[form] += 1
+
+    draw()
+    assert all(seen.values()), f"fused forms never drawn in {EXAMPLES} calls: {seen}"
 
 
 @FUZZ
@@ -207,3 +229,45 @@ def test_backward_calls_give_the_reference_or_a_normlab_error(b: Backward) -> No
 def test_the_model_of_axes(normalized_shape: Any, axis: Any, error: Any) -> None:
     _, problems = axes_problems((2, 3, 4), normalized_shape, axis)
     assert problems == ({error} if error else set())
+
+
+def _aliasing_case(case: str) -> set[type[Exception]]:
+    """The model's verdict on one aliasing form of a fused call on (3, 4) float32 arrays."""
+    rng = np.random.default_rng(0)
+    memory = rng.standard_normal((4, 4)).astype(np.float32)
+    x, residual = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    weight = np.ones(4, np.float32)
+    fresh = np.empty_like(x)
+    out, h = {
+        "serving": (x, residual),
+        "mirror": (residual, x),
+        "views_of_the_same_elements": (x[...], residual[...]),
+        "out_and_h_the_same": (fresh, fresh),
+        "out_x_and_h_x": (x, x),
+        "h_overlaps_weight": (None, memory[:3]),
+        "out_overlaps_residual": (memory[1:], None),
+        "out_reversed_x": (x[::-1], None),
+    }[case]
+    if case == "h_overlaps_weight":
+        weight = memory[0]
+    if case == "out_overlaps_residual":
+        residual = memory[:-1]
+    inputs = {"x": x, "residual": residual, "weight": weight, "bias": None}
+    return aliasing_problems(x, inputs, {"y": out, "h": h})
+
+
+@pytest.mark.parametrize(
+    ("case", "refused"),
+    [
+        ("serving", False),
+        ("mirror", False),
+        ("views_of_the_same_elements", False),
+        ("out_and_h_the_same", True),
+        ("out_x_and_h_x", True),
+        ("h_overlaps_weight", True),
+        ("out_overlaps_residual", True),
+        ("out_reversed_x", True),  # x's elements, not the same ones
+    ],
+)
+def test_the_model_of_fused_aliasing(case: str, refused: bool) -> None:
+    assert _aliasing_case(case) == ({normlab.ArgumentError} if refused else set())
