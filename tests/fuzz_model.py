@@ -1,12 +1,14 @@
 """The fuzzers' model of the public API: a call as plain data, and what the contract says of it.
 
 A drawn call is plain data (:class:`Forward` for ``layer_norm``/``rms_norm``, :class:`Backward`
-for their backward ops) from which the arrays are made (:meth:`Forward.build`); its repr reruns
-it. The model, written from the contract and not from the implementation, says which
-:class:`~normlab.NormlabError` subclasses the call may raise (:meth:`Forward.problems`,
-:meth:`Backward.problems`; empty: the call is valid) and what a valid call returns
-(:func:`check_forward_result`, :func:`check_backward_result`: kinds, ``out`` identity, values
-against the float64 reference within the conformance suite's tolerances). The hypothesis
+for their backward ops, :class:`Fused` for ``add_layer_norm``/``add_rms_norm``) from which the
+arrays are made (:meth:`Forward.build`); its repr reruns it. The model, written from the
+contract and not from the implementation, says which :class:`~normlab.NormlabError` subclasses
+the call may raise (:meth:`Forward.problems`, :meth:`Backward.problems`, :meth:`Fused.problems`;
+empty: the call is valid) and what a valid call returns (:func:`check_forward_result`,
+:func:`check_backward_result`, :func:`check_fused_result`: kinds, ``out`` identity, values
+against the float64 reference within the conformance suite's tolerances, a fused op's ``h``
+bitwise the unfused add). The hypothesis
 strategies that draw calls are in fuzz_strategies.py, the tests in test_fuzz_api.py.
 """
 

@@ -1,9 +1,11 @@
-"""Hypothesis strategies of the API fuzzers: calls of the four public ops (fuzz_model.py), each
+"""Hypothesis strategies of the API fuzzers: calls of the six public ops (fuzz_model.py), each
 argument drawn from valid values or, for at most two arguments, invalid ones.
 
 :func:`forward_calls` draws ``layer_norm``/``rms_norm`` calls, :func:`backward_calls` their
-backward ops'; :data:`INPUT_CLASSES` names the edges of the contract the forward strategy must
-reach (each found a silent wrong answer once), and :func:`input_classes` tells them.
+backward ops', :func:`fused_calls` ``add_layer_norm``/``add_rms_norm`` calls;
+:data:`INPUT_CLASSES` names the edges of the contract the forward strategy must reach (each
+found a silent wrong answer once), and :func:`input_classes` tells them; :data:`FUSED_FORMS`
+and :func:`fused_forms` likewise for the fused strategy.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
-"""Fuzzing the public API: every argument of the four public ops, valid and invalid at once.
+"""Fuzzing the public API: every argument of the six public ops (the forward ops, their backward
+ops, the fused residual-add ops), valid and invalid at once.
 
-Each drawn call is plain data (:class:`Forward`, :class:`Backward`) from which the arrays are
-made; its repr reruns it. An independent model of the contract (:meth:`Forward.problems`,
-:meth:`Backward.problems`) says which errors the call may raise. Every call then either
+Each drawn call is plain data (:class:`Forward`, :class:`Backward`, :class:`Fused`) from which
+the arrays are made; its repr reruns it. An independent model of the contract
+(:meth:`Forward.problems`, :meth:`Backward.problems`, :meth:`Fused.problems`) says which errors
+the call may raise. Every call then either
 
 * raises a :class:`~normlab.NormlabError` subclass that the model expects (never a raw NumPy,
   torch or Numba exception), or
 * when the model finds nothing wrong, returns results of the right kind (type, shape, dtype,
   ``out`` itself) whose values match the float64 reference within the conformance suite's
-  tolerances, and leaves the caller's other arrays untouched.
+  tolerances (a fused op's ``h`` bitwise the unfused add), and leaves the caller's other
+  arrays untouched.
 
 ``NORMLAB_FUZZ_EXAMPLES`` sets the number of calls per test (default 300; the figures in
 docs/reliability.md come from larger runs). The examples are those of the hypothesis profile in
