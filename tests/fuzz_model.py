@@ -817,7 +817,8 @@ _FUSED_ARGUMENTS: Final = ("residual", "return_residual", "residual_out")
 def check_fused_result(fz: Fused, kwargs: dict[str, Any], result: Any, h_want: Any) -> None:
     """A valid fused call's result: its form (docs/fused.md's table), ``h`` (``residual_out``
     itself when given) bitwise ``h_want`` (the unfused add of the inputs before the call), and
-    ``y`` and the statistics those of the base op of ``h_want`` (:func:`check_forward_result`)."""
+    ``y`` and the statistics those of the base op of ``h_want`` (:func:`check_forward_result`);
+    with an input that requires grad, ``y`` and ``h`` do and the statistics do not."""
     c, x = fz.call, kwargs["x"]
     repro = f"Rerun with: {fz!r}"
     grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "residual", "weight", "bias"))
@@ -833,8 +834,9 @@ def check_fused_result(fz: Fused, kwargs: dict[str, Any], result: Any, h_want: A
         assert not grad or h.requires_grad, "h dropped the autograd graph"
     else:
         base_result = result
-    y = base_result[0] if c.return_stats else base_result
+    y, *stats = base_result if c.return_stats else (base_result,)
     assert not grad or (is_array(y) and y.requires_grad), "y dropped the autograd graph"
+    assert not any(tracks_grad(s) for s in stats), "a statistic requires grad"
     shared = {k: v for k, v in kwargs.items() if k not in _FUSED_ARGUMENTS} | {"x": h_want}
     check_forward_result(c, shared, base_result, as_float64(h_want), repro)
 
