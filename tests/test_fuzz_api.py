@@ -24,6 +24,7 @@ on CUDA) is an xfail there.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Final
 
@@ -274,3 +275,71 @@ def _aliasing_case(case: str) -> set[type[Exception]]:
 )
 def test_the_model_of_fused_aliasing(case: str, refused: bool) -> None:
     assert _aliasing_case(case) == ({normlab.ArgumentError} if refused else set())
+
+
+_VALID_FUSED = Fused(
+    call=Forward(
+        op="layer_norm",
+        family="torch",
+        dtype="float16",
+        shape=(3, 4),
+        layout="c",
+        values="normal",
+        normalized_shape=None,
+        axis=None,
+        weight=None,
+        bias=None,
+        eps="default",
+        return_stats=False,
+        out=None,
+        out_stats=(None, None),
+        backend=None,
+        preference=None,
+        requires_grad=False,
+        seed=0,
+    ),
+    residual="ok",
+    residual_layout="c",
+    residual_values="independent",
+    return_residual=True,
+    out=None,
+    residual_out=None,
+    overlap=None,
+)
+
+
+def _seed(seed: int) -> Forward:
+    return dataclasses.replace(_VALID_FUSED.call, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({}, None),
+        ({"out": "x", "residual_out": "residual"}, None),
+        ({"residual": "x", "out": "x"}, None),
+        ({"residual": "requires_grad"}, None),
+        ({"return_residual": False}, None),
+        ({"residual": "wrong_dtype"}, normlab.DtypeError),  # bfloat16 (the seed's draw)
+        ({"residual": "wrong_dtype", "call": _seed(4)}, normlab.DtypeError),  # float32
+        ({"residual": "wrong_shape"}, normlab.ShapeError),
+        ({"residual": "other_family"}, normlab.DeviceError),
+        ({"residual": "list"}, normlab.ArgumentError),
+        ({"return_residual": 1}, normlab.ArgumentError),
+        ({"return_residual": False, "residual_out": "c"}, normlab.ArgumentError),
+        ({"residual_out": "tuple"}, normlab.ArgumentError),
+        ({"residual": "requires_grad", "residual_out": "c"}, normlab.ArgumentError),
+        ({"residual": "requires_grad", "out": "x_view"}, normlab.ArgumentError),
+        ({"residual": "x", "out": "x", "residual_out": "residual"}, normlab.ArgumentError),
+        ({"residual_out": "out"}, normlab.ArgumentError),
+        ({"residual_out": "aliases_weight"}, normlab.ArgumentError),
+        ({"overlap": "out~residual"}, normlab.ArgumentError),
+        ({"overlap": "residual~x"}, None),  # inputs may overlap
+    ],
+)
+def test_the_model_of_fused_calls(change: dict[str, Any], error: Any) -> None:
+    """The model rejects what docs/fused.md rejects, and only that."""
+    fz = dataclasses.replace(_VALID_FUSED, **change)
+    if "call" in change:  # float32, a weight's dtype for float16 x, is not a residual's
+        assert fz.build()["residual"].dtype == torch.float32
+    assert fz.problems(fz.build()) == ({error} if error else set())
