@@ -818,7 +818,8 @@ def check_fused_result(fz: Fused, kwargs: dict[str, Any], result: Any, h_want: A
     """A valid fused call's result: its form (docs/fused.md's table), ``h`` (``residual_out``
     itself when given) bitwise ``h_want`` (the unfused add of the inputs before the call), and
     ``y`` and the statistics those of the base op of ``h_want`` (:func:`check_forward_result`);
-    with an input that requires grad, ``y`` and ``h`` do and the statistics do not."""
+    with an input that requires grad ``y`` does (``h`` with x or the residual), the statistics
+    never."""
     c, x = fz.call, kwargs["x"]
     repro = f"Rerun with: {fz!r}"
     grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "residual", "weight", "bias"))
@@ -831,7 +832,8 @@ def check_fused_result(fz: Fused, kwargs: dict[str, Any], result: Any, h_want: A
         assert residual_out is None or h is residual_out, "h is not the residual_out array"
         assert type(h) is type(x) and tuple(h.shape) == c.shape and dtype_name(h) == c.dtype
         assert np.array_equal(bits(h), bits(h_want)), f"h is not the unfused add. {repro}"
-        assert not grad or h.requires_grad, "h dropped the autograd graph"
+        h_grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "residual"))
+        assert not h_grad or h.requires_grad, "h dropped the autograd graph"
     else:
         base_result = result
     y, *stats = base_result if c.return_stats else (base_result,)

@@ -55,6 +55,7 @@ from fuzz_model import (  # noqa: E402
 from fuzz_strategies import (  # noqa: E402
     FUSED_FORMS,
     INPUT_CLASSES,
+    LARGE_SHAPES,
     backward_calls,
     forward_calls,
     fused_calls,
@@ -148,6 +149,8 @@ def test_fused_calls(fz: Fused, no_preference: None) -> None:
         return
     assert h_want is not None, f"accepted a call the model rejects: {sorted(map(str, expected))}"
     event(f"{fz.op}: returned, checked against the reference")
+    if fz.call.shape in LARGE_SHAPES:
+        event(f"large rows {fz.call.shape}: returned, checked")
     outputs = [o for o in named_outputs(kwargs.get("out"), kwargs.get("residual_out")).values()]
     for name, saved in before.items():  # only the outputs' memory is written
         if not any(is_array(o) and shares_memory(o, arrays[name]) for o in outputs):
