@@ -1,11 +1,12 @@
 """``normlab calibrate``: measure each backend's cost model on this machine.
 
 For every available backend, every family it serves (its own and its zero-copy families), every
-op it provides and every dtype: time calls on a few sizes of x, from one row to several MiB, and
-fit ``time = fixed_us + x_bytes / bytes_per_us`` by least squares. The table goes to the cache
-directory (:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the
-records' shipped models. Timings are medians of batches of calls, so a busy moment shifts them
-less; calibrate on an idle machine all the same.
+op it provides (the fused ``add_*`` ops with a residual, h returned) and every dtype: time calls
+on a few sizes of x, from one row to several MiB, and fit ``time = fixed_us + x_bytes /
+bytes_per_us`` by least squares. The table goes to the cache directory
+(:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the records'
+shipped models. Timings are medians of batches of calls, so a busy moment shifts them less;
+calibrate on an idle machine all the same.
 """
 
 from __future__ import annotations
@@ -148,14 +149,19 @@ def _converter(family: str) -> Callable[[Any], Any] | None:
 
 def _call(op: str, convert: Callable[[Any], Any], x: Any, name: str) -> Callable[[], Any]:
     """A call of ``op`` as a model calls it: with a weight (and, for LayerNorm, a bias) of x's
-    dtype, whose handling is part of the fixed cost."""
+    dtype, whose handling is part of the fixed cost. The fused ops add a residual like x and
+    return h (the pre-norm form, which moves the most memory)."""
     import normlab
 
     xa = convert(x)
     weight = convert(x[0] * 0 + 1)
     forward_op = op.removesuffix("_backward")
-    params = {"weight": weight} if forward_op == "rms_norm" else {"weight": weight, "bias": weight}
+    rms = forward_op in ("rms_norm", "add_rms_norm")
+    params = {"weight": weight} if rms else {"weight": weight, "bias": weight}
     forward = getattr(normlab, forward_op)
+    if forward_op.startswith("add_"):
+        residual = convert(x[::-1])
+        return lambda: forward(xa, residual, **params, backend=name)
     if op == forward_op:
         return lambda: forward(xa, **params, backend=name)
     _, *stats = forward(xa, **params, return_stats=True, backend=name)

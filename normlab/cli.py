@@ -128,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
         "warmup",
         help="compile the numba kernels ahead of time (for a Docker build step)",
         description="Compile numba's kernels for dtypes x {contiguous, strided} x {serial, "
-        "parallel} x {forward, backward} into numba's on-disk cache, so that first calls "
+        "parallel} x {forward, backward, fused} into numba's on-disk cache, so that first calls "
         "later load them instead of compiling. The cache is tied to this CPU model: see "
         "docs/numba.md.",
     )
@@ -136,7 +136,10 @@ def _parser() -> argparse.ArgumentParser:
         "--dtypes", nargs="+", choices=FLOAT_DTYPES, default=list(FLOAT_DTYPES), metavar="DTYPE"
     )
     warm.add_argument(
-        "--ops", nargs="+", choices=("forward", "backward"), default=["forward", "backward"]
+        "--ops",
+        nargs="+",
+        choices=("forward", "backward", "fused"),
+        default=["forward", "backward", "fused"],
     )
     warm.add_argument("--cache-dir", help="numba's cache directory (NUMBA_CACHE_DIR)")
     warm.set_defaults(handler=_warmup)

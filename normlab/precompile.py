@@ -4,13 +4,15 @@ A first call of each dtype and layout compiles a numba specialization (1-2 s on 
 machine, 10-20 s on a loaded one); numba caches it on disk, and later processes load it in
 milliseconds. :func:`warmup` makes those first calls now, on small arrays, for the set
 
-    dtypes x {contiguous, strided} x {serial, parallel} x {forward, backward}
+    dtypes x {contiguous, strided} x {serial, parallel} x {forward, backward, fused}
 
 where *strided* is a row view of every other column, *parallel* an input of at least
 :data:`~normlab.backends.numba_backend.SERIAL_ELEMENTS` elements (the kernels that run on
 numba's threads; compiled only where numba has more than one thread), forward is
-``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels) and backward
-``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels). Rows longer
+``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels), backward
+``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels) and fused
+the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
+kernels), with h returned and without (two kernels). Rows longer
 than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` and calls with ``out=`` use other
 kernels and are not warmed.
 """
@@ -30,8 +32,8 @@ from normlab.errors import ArgumentError, BackendError
 
 __all__ = ["DIRECTIONS", "Warmed", "WarmupCall", "warmup", "warmup_calls"]
 
-#: ``ops`` for :func:`warmup`: the forward and the backward kernels.
-DIRECTIONS: Final = ("forward", "backward")
+#: ``ops`` for :func:`warmup`: the forward, the backward and the fused residual-add kernels.
+DIRECTIONS: Final = ("forward", "backward", "fused")
 _COLS: Final = 64
 
 
@@ -94,7 +96,7 @@ def warmup(
 
     Args:
         dtypes: any of ``float16``, ``bfloat16`` (needs ``ml_dtypes``), ``float32``, ``float64``.
-        ops: ``"forward"``, ``"backward"`` or both.
+        ops: any of ``"forward"``, ``"backward"``, ``"fused"``.
         cache_dir: numba's cache directory (``NUMBA_CACHE_DIR``); it must be given before the
             numba backend is first used in this process.
         progress: wraps the iterator of calls (the command line shows a progress bar with it).
@@ -114,7 +116,7 @@ def warmup(
         raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
     import numba
 
-    from normlab.backends import numba_backward, numba_forward
+    from normlab.backends import numba_backward, numba_forward, numba_fused
 
     skipped = []
     if "bfloat16" in dtypes and _bfloat16() is None:
@@ -123,7 +125,7 @@ def warmup(
     calls = warmup_calls(dtypes, ops, parallel=numba.get_num_threads() > 1)
     if numba.get_num_threads() == 1:
         skipped.append("parallel kernels (numba has one thread here)")
-    entries = _entry_points(numba_forward, numba_backward)
+    entries = _entry_points(numba_forward, numba_backward, numba_fused)
     before = _cache_counts(entries)
     start = time.perf_counter()
     with notices.compile_notices_silenced():
@@ -170,6 +172,8 @@ def _entry_points(*modules: Any) -> list[Any]:
     names = (
         "layer_norm_rows",
         "layer_norm_rows_parallel",
+        "add_norm_rows",
+        "add_norm_rows_parallel",
         "backward_chunks",
         "backward_chunks_parallel",
         "sum_chunks",
@@ -205,8 +209,28 @@ def _run(call: WarmupCall) -> None:
     x = base.astype(dtype)[:, ::cols_stride]
     param = np.float32 if call.dtype in ("float16", "bfloat16") else dtype
     weight, bias = np.ones(_COLS, param), np.zeros(_COLS, param)
+    if call.direction == "fused":
+        residual = base[::-1].astype(dtype)[:, ::cols_stride]
+        _run_fused(x, residual, weight, bias)
+        return
     y, mean, rstd = normlab.layer_norm(
         x, weight=weight, bias=bias, return_stats=True, backend="numba"
     )
     if call.direction == "backward":
         normlab.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
+
+
+def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:
+    """The numba backend's ``add_layer_norm`` of ``x`` and ``residual``, with h returned and
+    without (the post-norm form): its two kernels for this dtype and layout."""
+    import dataclasses
+
+    from normlab import spec
+    from normlab.backends import numba_backend
+
+    base = spec.plan("layer_norm", x, None, weight, bias, 1e-5, None, True, None)
+    for keep_h in (True, False):
+        plan = dataclasses.replace(base, op="add_layer_norm", return_residual=keep_h)
+        numba_backend.add_layer_norm(
+            x, residual, weight, bias, plan=plan, out=None, residual_out=None
+        )

@@ -102,6 +102,48 @@ def test_normlab_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None
     assert result == {"outcome": "IndexError: index is out of bounds"}
 
 
+def test_fused_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None:
+    """Asked for one row too many, the fused add + norm kernel raises instead of reading past x
+    and the residual."""
+    code = """
+    import json, numpy as np
+    from normlab.backends.numba_fused import add_norm_rows
+    x, r = np.ones((3, 4), np.float32), np.ones((3, 4), np.float32)
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    mean, rstd = np.empty(3, np.float32), np.empty(3, np.float32)
+    y, h = np.empty_like(x), np.empty_like(x)
+    add_norm_rows(x, r, y, h, w, b, 1e-5, mean, rstd, True, 0, 3)  # in bounds: fine
+    try:
+        add_norm_rows(x, r, y, h, w, b, 1e-5, mean, rstd, True, 0, 4)
+        outcome = "no error"
+    except IndexError as exc:
+        outcome = f"IndexError: {exc}"
+    print(json.dumps({"outcome": outcome}))
+    """
+    result = run_child(code, tmp_path / "cache", boundscheck="1")
+    assert result == {"outcome": "IndexError: index is out of bounds"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SLOW, reason="a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
+def test_fused_kernel_tests_with_bounds_checks(tmp_path: Path) -> None:
+    """tests/test_fused_kernels.py on numba (every shape, dtype, aliasing form and long rows),
+    every kernel compiled afresh with bounds checks."""
+    code = PROBE + textwrap.dedent(
+        f"""
+        assert outcome.startswith("IndexError"), "bounds checks are not in force"
+        import pytest
+        exit_code = int(pytest.main(
+            [{str(TESTS / "test_fused_kernels.py")!r}, "-q", "--tb=short", "-k", "numba",
+             "-p", "no:cacheprovider"]
+        ))
+        print(json.dumps({{"exit_code": exit_code}}))
+        """
+    )
+    result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
+    assert result["exit_code"] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SLOW, reason="half a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
 def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
@@ -112,9 +154,11 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         import normlab.testing
         exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
         from numba.core.dispatcher import Dispatcher
-        from normlab.backends import half_bits, numba_backward, numba_forward
+        from normlab.backends import half_bits, numba_backward, numba_forward, numba_fused
         kernels = [
-            k for m in (half_bits, numba_forward, numba_backward) for k in vars(m).values()
+            k
+            for m in (half_bits, numba_forward, numba_backward, numba_fused)
+            for k in vars(m).values()
             if isinstance(k, Dispatcher)
         ]
         print(json.dumps({

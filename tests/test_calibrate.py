@@ -34,6 +34,7 @@ def test_calibrate_writes_a_table_the_dispatcher_reads(
         table = cost_table(json.loads(path.read_text()))
         assert set(table) == {"numpy"}
         ops = {"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}
+        ops |= {"add_layer_norm", "add_rms_norm"}
         assert set(table["numpy"]) == {f"{op}:numpy" for op in ops}
         model = costs.model(registry.get("numpy"), "layer_norm", "numpy")
         assert model == table["numpy"]["layer_norm:numpy"]

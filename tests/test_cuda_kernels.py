@@ -1,9 +1,9 @@
 """The CUDA kernels without a GPU: NVRTC compiles every specialisation (LayerNorm and RMSNorm,
-forward and backward) for sm_80 and sm_90 with no spills; the launch planner; the ptxas report
-parser; a NumPy model of the kernels' arithmetic (chunk assignment, per-thread moments or sums of
-squares, merges in the kernels' order); the launch from Python against a fake CuPy; and the cupy
-backend reporting, on a machine without a CUDA device, that it is unavailable and why. The
-backward's planner and launches: test_cuda_backward.py."""
+forward, backward and fused with a residual add) for sm_80 and sm_90 with no spills; the launch
+planner; the ptxas report parser; a NumPy model of the kernels' arithmetic (chunk assignment,
+per-thread moments or sums of squares, merges in the kernels' order); the launch from Python
+against a fake CuPy; and the cupy backend reporting, on a machine without a CUDA device, that it
+is unavailable and why. The backward's planner and launches: test_cuda_backward.py."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from normlab import constants, reference, registry, spec
 from normlab.backends import cuda_compile, cuda_launch
 from normlab.backends.cuda_launch import (
     FORWARD_OPS,
+    FUSED_OPS,
     MAX_GRID,
     OPS,
     Specialisation,
@@ -294,7 +295,36 @@ def test_specialisations_have_unique_names_and_expressions() -> None:
         assert len({p.source for p in program}) == 1
     assert {s.dtype for s in specs} == set(FLOAT_DTYPES)
     assert {s.op for s in specs} == set(OPS)
-    assert set(OPS) == {"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}
+    assert set(OPS) == {
+        "layer_norm",
+        "rms_norm",
+        "layer_norm_backward",
+        "rms_norm_backward",
+        "add_layer_norm",
+        "add_rms_norm",
+    }
+
+
+def test_the_fused_ops_take_the_forward_rungs() -> None:
+    """The fused kernels have the forward's specialisations (same rungs, dtypes, parameter dtypes),
+    in their own source, one program per op, dtype and parameter dtype."""
+    specs = all_specialisations()
+    for fused, forward in zip(FUSED_OPS, FORWARD_OPS, strict=True):
+        mine = [s for s in specs if s.op == fused]
+        assert [dataclasses.replace(s, op=forward) for s in mine] == [
+            s for s in specs if s.op == forward
+        ]
+        assert all(s.name.startswith("add_") and "add_normalize_" in s.expression for s in mine)
+        assert {s.source for s in mine} == {"add_norm.cu"}
+        for s in mine:
+            assert {p.op for p in cuda_launch.program_of(s)} == {fused}
+    source = (cuda_compile.KERNEL_DIR / "add_norm.cu").read_text()
+    assert source.count("__global__") == 2
+    for parameters in (
+        "typename T, typename P, bool CENTRE, int THREADS, int ITEMS, bool VECTOR",
+        "typename T, typename P, bool CENTRE, bool VECTOR",
+    ):
+        assert f"template <{parameters}>\n__global__ void" in source
 
 
 def test_both_ops_share_the_kernel_templates() -> None:
@@ -561,19 +591,30 @@ class _FakeKernel:
     def __call__(
         self, grid: tuple[int], block: tuple[int], args: tuple[Any, ...], stream: Any = None
     ) -> None:
-        x_at, w_at, b_at, y_at, mean_at, rstd_at, rows, cols, x_stride, y_stride, eps = args
-        assert all(isinstance(a, np.uint64) for a in args[:6])
-        assert all(isinstance(a, np.int64) for a in args[6:10])
+        fused = self.spec.op in FUSED_OPS
+        pointers, sizes = (8, 6) if fused else (6, 4)
+        assert all(isinstance(a, np.uint64) for a in args[:pointers])
+        assert all(isinstance(a, np.int64) for a in args[pointers : pointers + sizes])
+        assert len(args) == pointers + sizes + 1
+        if fused:
+            x_at, r_at, w_at, b_at, y_at, h_at, mean_at, rstd_at = args[:8]
+            rows, cols, x_stride, r_stride, y_stride, h_stride, eps = args[8:]
+        else:
+            x_at, w_at, b_at, y_at, mean_at, rstd_at, rows, cols, x_stride, y_stride, eps = args
         stats = np.dtype(np.float64 if self.spec.dtype == "float64" else np.float32)
         assert eps.dtype == stats
         assert block == (self.spec.block,) and grid[0] * self.spec.rows_per_block >= rows
         dtype = np.dtype(self.spec.dtype)
         x = _host_view(int(x_at), int(rows), int(cols), int(x_stride), dtype)
+        if fused:  # h from copies, written (when asked) before y, as the kernel does per chunk
+            x = x + _host_view(int(r_at), int(rows), int(cols), int(r_stride), dtype)
+            if h_at != 0:
+                _host_view(int(h_at), int(rows), int(cols), int(h_stride), dtype)[...] = x
         param = np.dtype(self.spec.param_dtype)
         w = None if w_at == 0 else _host_view(int(w_at), 1, int(cols), 0, param)[0]
         b = None if b_at == 0 else _host_view(int(b_at), 1, int(cols), 0, param)[0]
         mean: np.ndarray | None = None
-        if self.spec.op == "rms_norm":
+        if self.spec.op in ("rms_norm", "add_rms_norm"):
             assert b_at == 0 and mean_at == 0, "rms_norm has neither bias nor mean"
             y, rstd = reference.rms_norm(x, weight=w, eps=float(eps))
         else:
@@ -673,6 +714,61 @@ def test_the_launch_writes_out_in_place(fake_cupy: Any) -> None:
     fake = _FakeArray(x)
     y, mean, rstd = fake_cupy.layer_norm(fake, None, None, plan=plan, out=fake)
     assert y is fake and mean is None and rstd is None
+    np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("keep_h", [True, False], ids=["h", "post_norm"])
+@pytest.mark.parametrize("layout", ["c", "reversed"])
+@pytest.mark.parametrize(
+    ("op", "dtype"), [(o, d) for o in FUSED_OPS for d in ("float16", "float32")]
+)
+def test_the_fused_launch_passes_what_the_kernel_reads(
+    fake_cupy: Any, op: str, dtype: str, layout: str, keep_h: bool
+) -> None:
+    rows, cols = 5, 16
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((rows, cols)).astype(dtype)
+    r = rng.standard_normal((rows, cols)).astype(dtype)
+    x, r = (x[::-1], r[::-1]) if layout == "reversed" else (x, r)
+    w = rng.standard_normal(cols).astype(np.float32)
+    b = rng.standard_normal(cols).astype(np.float32) if op == "add_layer_norm" else None
+    base = spec.plan(op.removeprefix("add_"), x, None, w, b, 1e-5, None, True, None)
+    plan = dataclasses.replace(base, op=op, family="cupy", return_residual=keep_h)
+    y, h, mean, rstd = getattr(fake_cupy, op)(
+        _FakeArray(x), _FakeArray(r), _FakeArray(w), None if b is None else _FakeArray(b),
+        plan=plan, out=None, residual_out=None,
+    )  # fmt: skip
+    h_want = x + r
+    if op == "add_layer_norm":
+        want_y, want_mean, want_rstd = reference.layer_norm(h_want, weight=w, bias=b, eps=1e-5)
+        np.testing.assert_allclose(mean.a, want_mean[:, 0], rtol=1e-5, atol=1e-6)
+    else:
+        want_y, want_rstd = reference.rms_norm(h_want, weight=w, eps=1e-5)
+        assert mean is None
+    tol = 1e-3 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(y.a, want_y, rtol=tol, atol=tol)
+    np.testing.assert_allclose(rstd.a, want_rstd[:, 0], rtol=1e-5)
+    if keep_h:
+        np.testing.assert_array_equal(h.a, h_want)
+    else:
+        assert h is None
+
+
+def test_the_fused_launch_writes_in_place(fake_cupy: Any) -> None:
+    """The serving form: out is x, residual_out is the residual."""
+    rng = np.random.default_rng(4)
+    x, r = rng.standard_normal((4, 32)).astype(np.float32), rng.standard_normal((4, 32))
+    r = r.astype(np.float32)
+    h_want = x + r
+    want = reference.layer_norm(h_want, eps=1e-5)[0]
+    base = spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, x)
+    plan = dataclasses.replace(base, op="add_layer_norm", family="cupy", return_residual=True)
+    fx, fr = _FakeArray(x), _FakeArray(r)
+    y, h, mean, rstd = fake_cupy.add_layer_norm(
+        fx, fr, None, None, plan=plan, out=fx, residual_out=fr
+    )
+    assert y is fx and h is fr and mean is None and rstd is None
+    np.testing.assert_array_equal(r, h_want)
     np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-6)
 
 

@@ -16,11 +16,19 @@ from normlab.hookspecs import ARRAY_API, BackendRecord, CostModel, cost_table, h
 __all__ = ["BUILTIN_RECORDS", "normlab_backends"]
 
 _FLOATS: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
+_OPS: Final = frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"})
+#: The fused residual-add ops; a backend without them is served by the core's composition.
+_FUSED_OPS: Final = frozenset({"add_layer_norm", "add_rms_norm"})
 
 
 def _shipped_costs() -> dict[str, dict[str, CostModel]]:
     """The built-in backends' cost models: ``normlab calibrate`` on a 2-core x86-64 VM, idle
-    (``costs.json`` beside this module; a machine's own calibration replaces them)."""
+    (``costs.json`` beside this module; a machine's own calibration replaces them). The fused
+    ops' models (``add_layer_norm``, ``add_rms_norm``) are not measured yet but derived from
+    their op's: its fixed cost times the fused call's measured ratio on one row (numba 1.5, on
+    tensors 1.3; numpy 1.7; torch 1.36) and its rate divided by the memory moved (numba: x,
+    residual, h and y against x and y, 2; torch: add then norm, 2.5) or, for the compute-bound
+    numpy backend, by the ratio measured on 4096 rows (1.6)."""
     return cost_table(json.loads(Path(__file__).with_name("costs.json").read_text()))
 
 
@@ -61,7 +69,7 @@ BUILTIN_RECORDS: Final = (
         families=frozenset({"numpy"}),
         devices=frozenset({"cpu"}),
         dtypes=_FLOATS,
-        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        ops=_OPS | _FUSED_OPS,
         priority=10,
         capabilities=frozenset({"strided", "out", "inplace"}),
         check=_numpy_check,
@@ -76,7 +84,7 @@ BUILTIN_RECORDS: Final = (
         devices=frozenset({"cpu"}),
         dtypes=_FLOATS,
         priority=20,
-        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        ops=_OPS | _FUSED_OPS,
         capabilities=frozenset({"strided", "out", "inplace"}),
         zero_copy_families=frozenset({"torch"}),
         check=_numba_check,
@@ -90,7 +98,7 @@ BUILTIN_RECORDS: Final = (
         families=frozenset({"torch"}),
         devices=frozenset({"cpu", "cuda"}),
         dtypes=_FLOATS,
-        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        ops=_OPS | _FUSED_OPS,
         priority=10,
         capabilities=frozenset({"autograd"}),
         check=_torch_check,
@@ -104,7 +112,7 @@ BUILTIN_RECORDS: Final = (
         families=frozenset({"cupy"}),
         devices=frozenset({"cuda"}),
         dtypes=_FLOATS,
-        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        ops=_OPS | _FUSED_OPS,
         priority=20,
         capabilities=frozenset({"row_strided", "out", "inplace"}),
         explicit_families=frozenset({"torch"}),
@@ -120,7 +128,7 @@ BUILTIN_RECORDS: Final = (
         families=frozenset({ARRAY_API}),
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"float16", "float32", "float64"}),
-        ops=frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"}),
+        ops=_OPS,
         priority=-100,
         description="any Array API library's arrays, computed with its own namespace functions",
     ),

@@ -1,8 +1,9 @@
-"""The launch planner of the CUDA kernels in ``kernels/`` (forward: ``layer_norm.cu``, backward:
-``backward.cu``), in plain Python.
+"""The launch planner of the CUDA kernels in ``kernels/`` (forward: ``layer_norm.cu``, fused
+residual add + norm: ``add_norm.cu``, backward: ``backward.cu``), in plain Python.
 
 Both ops run the same kernel templates: ``CENTRE = true`` is LayerNorm, ``false`` RMSNorm; so do
-their backward ops.
+their backward ops and the fused ops (``add_normalize_rows``/``add_normalize_loop``, planned on the
+forward's rungs: the same shapes, x and the residual read into the same registers).
 A row of ``cols`` elements is cut into chunks of :func:`vector_width` elements (16 bytes). The
 row-resident kernel ``normalize_rows`` gives each row ``threads`` threads holding ``items``
 chunks each in registers; :func:`_ladder` lists the (threads, items) rungs, smallest capacity
@@ -39,6 +40,7 @@ from normlab.constants import (
 __all__ = [
     "BACKWARD_OPS",
     "FORWARD_OPS",
+    "FUSED_OPS",
     "MAX_GRID",
     "OPS",
     "SOURCES",
@@ -60,19 +62,33 @@ OPS: Final = {
     "rms_norm": "false",
     "layer_norm_backward": "true",
     "rms_norm_backward": "false",
+    "add_layer_norm": "true",
+    "add_rms_norm": "false",
 }
 FORWARD_OPS: Final = ("layer_norm", "rms_norm")
 BACKWARD_OPS: Final = ("layer_norm_backward", "rms_norm_backward")
+#: The fused residual add + norm ops (``h = x + residual``, then the forward on h).
+FUSED_OPS: Final = ("add_layer_norm", "add_rms_norm")
 #: The source file of each op's kernels (in ``kernels/``).
-SOURCES: Final = {op: "layer_norm.cu" for op in FORWARD_OPS} | {
-    op: "backward.cu" for op in BACKWARD_OPS
-}
+SOURCES: Final = (
+    {op: "layer_norm.cu" for op in FORWARD_OPS}
+    | {op: "backward.cu" for op in BACKWARD_OPS}
+    | {op: "add_norm.cu" for op in FUSED_OPS}
+)
+#: The name of each op's rows kernels (``<kernel>_rows``, ``<kernel>_loop``).
+_KERNEL: Final = (
+    {op: "normalize" for op in FORWARD_OPS}
+    | {op: "backward" for op in BACKWARD_OPS}
+    | {op: "add_normalize" for op in FUSED_OPS}
+)
 #: Prefix of the names of each op's kernels.
 _PREFIX: Final = {
     "layer_norm": "",
     "rms_norm": "rms_",
     "layer_norm_backward": "bwd_",
     "rms_norm_backward": "rms_bwd_",
+    "add_layer_norm": "add_",
+    "add_rms_norm": "add_rms_",
 }
 #: The kernels of an op: ``rows`` (over rows: y, or dx; ``items`` 0 is the loop kernel), and for
 #: the backward ``partials`` (per-chunk column sums) and ``sum`` (the chunks added per column).
@@ -100,7 +116,7 @@ def _max_items(op: str, dtype: str) -> int:
     """Chunks per thread at most: 32 float accumulators (16 doubles) of row per thread; half as
     many chunks for the backward, whose threads hold two arrays (d and g)."""
     forward = 4 if ITEMSIZE[dtype] == 2 else 8
-    return forward if op in FORWARD_OPS else forward // 2
+    return forward // 2 if op in BACKWARD_OPS else forward
 
 
 def _ladder(op: str, dtype: str) -> tuple[tuple[int, int], ...]:
@@ -174,7 +190,7 @@ class Specialisation:
             return f"normlab::weight_partials<{t}, {centre}, {v}>"
         if self.stage == "sum":
             return f"normlab::sum_chunks<{'double' if self.dtype == 'float64' else 'float'}>"
-        kernel = "normalize" if self.op in FORWARD_OPS else "backward"
+        kernel = _KERNEL[self.op]
         if self.loop:
             return f"normlab::{kernel}_loop<{t}, {p}, {centre}, {v}>"
         return f"normlab::{kernel}_rows<{t}, {p}, {centre}, {self.threads}, {self.items}, {v}>"
@@ -276,16 +292,17 @@ def plan_launch(
     addresses: Sequence[int | None],
     row_strides: Sequence[int],
 ) -> LaunchPlan:
-    """The launch of ``op`` (``"layer_norm"``, ``"rms_norm"``) for rows of ``cols`` elements of
-    ``dtype``.
+    """The launch of ``op`` (``"layer_norm"``, ``"rms_norm"``, or a fused op of
+    :data:`FUSED_OPS`) for rows of ``cols`` elements of ``dtype``.
 
     ``param_dtype``: dtype of weight and bias (``None``: neither given). ``addresses``: byte
-    addresses of x, out, weight and bias (``None`` for those absent); ``row_strides``: element
-    strides between rows of x and out. 16-byte accesses are used when every address and every
+    addresses of x, out, weight and bias (the fused ops: x, residual, out, h, weight and bias;
+    ``None`` for those absent); ``row_strides``: element strides between rows of x and out (the
+    fused ops: x, residual, out and h). 16-byte accesses are used when every address and every
     row stride in bytes is a multiple of 16 and ``cols`` a multiple of the chunk length.
     """
-    if op not in FORWARD_OPS:
-        raise ValueError(f"plan_launch plans {', '.join(FORWARD_OPS)}, not {op}")
+    if op not in FORWARD_OPS + FUSED_OPS:
+        raise ValueError(f"plan_launch plans {', '.join(FORWARD_OPS + FUSED_OPS)}, not {op}")
     return _plan_rows(op, cols, dtype, param_dtype, addresses, row_strides)
 
 

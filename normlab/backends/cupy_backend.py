@@ -1,5 +1,6 @@
 """The CuPy backend: the raw CUDA kernels of ``kernels/`` (LayerNorm and RMSNorm, forward in
-``layer_norm.cu`` and backward in ``backward.cu``), compiled with NVRTC.
+``layer_norm.cu``, backward in ``backward.cu``, fused with a residual add in ``add_norm.cu``),
+compiled with NVRTC.
 
 Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
 read and written in place through their raw pointers on torch's current stream, and the result
@@ -25,6 +26,8 @@ from normlab.errors import BackendError
 from normlab.hookspecs import Plan
 
 __all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
     "device_problem",
     "from_numpy",
     "layer_norm",
@@ -199,12 +202,7 @@ def _launch(
     rows, cols = plan.rows, plan.cols
     w, b, param_dtype = _parameters(arrays, weight, bias, plan)
     y = out if out is not None else arrays.empty((rows, cols), x.dtype, x)
-    mean = rstd = None
-    if plan.return_stats:
-        stats = arrays.stats_dtype(plan.stats_dtype)
-        rstd = arrays.empty((rows,), stats, x)
-        if plan.op == "layer_norm":
-            mean = arrays.empty((rows,), stats, x)
+    mean, rstd = _statistics(arrays, plan, x, centre=plan.op == "layer_norm")
     x_at, y_at, w_at, b_at, mean_at, rstd_at = (
         0 if a is None else arrays.address(a) for a in (x, y, w, b, mean, rstd)
     )
@@ -220,6 +218,70 @@ def _launch(
     with cupy.cuda.Device(device):
         function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
     return y, mean, rstd
+
+
+def _statistics(arrays: Any, plan: Plan, x: Any, centre: bool) -> tuple[Any | None, Any | None]:
+    """Empty ``(mean, rstd)`` on x's device for ``plan.return_stats`` (mean only with
+    ``centre``), else ``(None, None)``."""
+    if not plan.return_stats:
+        return None, None
+    stats = arrays.stats_dtype(plan.stats_dtype)
+    mean = arrays.empty((plan.rows,), stats, x) if centre else None
+    return mean, arrays.empty((plan.rows,), stats, x)
+
+
+def add_layer_norm(
+    x: Any, residual: Any, weight: Any, bias: Any, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any | None, Any | None, Any | None]:
+    """``h = x + residual`` (rounded to x's dtype), then LayerNorm of ``h``, in one kernel
+    (``kernels/add_norm.cu``); see :mod:`normlab.hookspecs`. The arrays as for
+    :func:`layer_norm`; ``out`` may be the memory of x or residual, ``residual_out`` that of
+    residual or x. Returns ``(y, h, mean, rstd)``, h None unless ``plan.return_residual``."""
+    _refuse_grad(plan)
+    return _launch_fused(x, residual, weight, bias, plan, out, residual_out)
+
+
+def add_rms_norm(
+    x: Any, residual: Any, weight: Any, bias: None, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any | None, None, Any | None]:
+    """``h = x + residual``, then RMSNorm of ``h``: as :func:`add_layer_norm`;
+    ``(y, h, None, rstd)``."""
+    _refuse_grad(plan)
+    y, h, _, rstd = _launch_fused(x, residual, weight, None, plan, out, residual_out)
+    return y, h, None, rstd
+
+
+def _launch_fused(
+    x: Any, residual: Any, weight: Any, bias: Any, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any | None, Any | None, Any | None]:
+    """Launch the fused kernel of ``plan.op``; ``(y, h, mean, rstd)``."""
+    import cupy
+
+    arrays = _Torch if plan.family == "torch" else _Cupy
+    rows, cols = plan.rows, plan.cols
+    w, b, param_dtype = _parameters(arrays, weight, bias, plan)
+    y = out if out is not None else arrays.empty((rows, cols), x.dtype, x)
+    h = None
+    if plan.return_residual:
+        h = residual_out if residual_out is not None else arrays.empty((rows, cols), x.dtype, x)
+    mean, rstd = _statistics(arrays, plan, x, centre=plan.op == "add_layer_norm")
+    x_at, r_at, y_at, h_at, w_at, b_at, mean_at, rstd_at = (
+        0 if a is None else arrays.address(a) for a in (x, residual, y, h, w, b, mean, rstd)
+    )
+    strides = [arrays.row_stride(a) for a in (x, residual, y)]
+    strides.append(cols if h is None else arrays.row_stride(h))
+    launch = plan_launch(
+        plan.op, cols, plan.dtype, param_dtype,
+        [x_at, r_at, y_at, h_at or None, w_at or None, b_at or None], strides,
+    )  # fmt: skip
+    device = arrays.device(x)
+    function = _function(device, launch.specialisation)
+    pointers = (np.uint64(a) for a in (x_at, r_at, w_at, b_at, y_at, h_at, mean_at, rstd_at))
+    sizes = (np.int64(n) for n in (rows, cols, *strides))
+    args = (*pointers, *sizes, _STATS[plan.stats_dtype](plan.eps))  # the kernels' argument order
+    with cupy.cuda.Device(device):
+        function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
+    return y, h, mean, rstd
 
 
 def _parameters(arrays: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, Any, str | None]:

@@ -43,6 +43,7 @@ from normlab.backends import (
     numba_backward,
     numba_cache,
     numba_forward,
+    numba_fused,
     output_pool,
 )
 from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
@@ -56,6 +57,12 @@ from normlab.backends.numba_forward import (
     segment_moments,
     write_segments,
 )
+from normlab.backends.numba_fused import (
+    add_norm_rows,
+    add_norm_rows_parallel,
+    add_rows,
+    add_rows_parallel,
+)
 from normlab.constants import ROW_CHUNK
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
@@ -64,6 +71,8 @@ __all__ = [
     "POOL",
     "SERIAL_ELEMENTS",
     "Pool",
+    "add_layer_norm",
+    "add_rms_norm",
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
@@ -74,7 +83,7 @@ __all__ = [
     "to_numpy",
 ]
 
-numba_cache.adopt(half_bits, numba_forward, numba_backward)
+numba_cache.adopt(half_bits, numba_forward, numba_backward, numba_fused)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
@@ -303,6 +312,118 @@ def _normalize(
         None if mean_out is None else torch.from_numpy(mean_out),
         None if rstd_out is None else torch.from_numpy(rstd_out),
     )
+
+
+def add_layer_norm(
+    x: Any, residual: Any, weight: Any, bias: Any, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any, Any, Any]:
+    """``h = x + residual`` (rounded to x's dtype), then LayerNorm of ``h``, in one pass over
+    each row (:mod:`normlab.backends.numba_fused`); see :mod:`normlab.hookspecs`.
+
+    ``x``, ``residual``, ``out`` and ``residual_out``: 2-D, any strides, NumPy arrays or (the
+    caller named this backend) CPU tensors. ``out`` may be the memory of x or residual, and
+    ``residual_out`` that of residual or x. Returns ``(y, h, mean, rstd)``, h None unless
+    ``plan.return_residual``.
+    """
+    return _add_normalize(x, residual, weight, bias, plan, out, residual_out, centre=True)
+
+
+def add_rms_norm(
+    x: Any, residual: Any, weight: Any, bias: None, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any, None, Any]:
+    """``h = x + residual``, then RMSNorm of ``h``: as :func:`add_layer_norm` without the
+    centring; returns ``(y, h, None, rstd)``."""
+    y, h, _, rstd = _add_normalize(x, residual, weight, None, plan, out, residual_out, False)
+    return y, h, None, rstd
+
+
+def _add_normalize(
+    x: Any,
+    residual: Any,
+    weight: Any,
+    bias: Any,
+    plan: Plan,
+    out: Any,
+    residual_out: Any,
+    centre: bool,
+) -> tuple[Any, Any, Any, Any]:
+    """Both fused ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
+    compute = np.float64 if plan.dtype == "float64" else np.float32
+    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
+    stand_in = SEGMENT if long else plan.cols  # the length of an absent weight or bias
+    torch_family = plan.family == "torch"
+    if torch_family:
+        _refuse_grad(x, residual, weight, bias, out, residual_out)
+        x_np, r_np = _tensor_as_numpy(x), _tensor_as_numpy(residual)
+        out_np = None if out is None else _tensor_as_numpy(out)
+        h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out)
+        w = _parameter(_tensor_parameter(weight, compute), compute, stand_in, 1.0)
+        b = _parameter(_tensor_parameter(bias, compute), compute, stand_in, 0.0)
+    else:
+        x_np, r_np, out_np, h_out_np = x, residual, out, residual_out
+        w = _parameter(weight, compute, stand_in, 1.0)
+        b = _parameter(bias, compute, stand_in, 0.0)
+    stats = np.float64 if plan.stats_dtype == "float64" else np.float32
+    none = _no_stats(stats)
+    mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
+    rstd = np.empty(plan.rows, stats) if plan.return_stats else none
+    shape = (plan.rows, plan.cols)
+    y_np = output_pool.empty(shape, x_np.dtype) if out_np is None else out_np
+    h_np = None
+    if plan.return_residual:
+        h_np = output_pool.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
+
+    def bits(a: np.ndarray) -> np.ndarray:
+        return _as_bits(a, plan.dtype)
+
+    x_bits, r_bits, y_bits = bits(x_np), bits(r_np), bits(y_np)
+    h_bits = None if h_np is None else bits(h_np)
+    threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
+    try:
+        if long:
+            # not fused: h into its output (or, not returned, into y), then normalized from there
+            h_target = y_bits if h_bits is None else h_bits
+            _add_rows((x_bits, r_bits, h_target), threads)
+            in_place = None if h_bits is None else y_bits
+            row_args = (h_target, in_place, w, b, plan.eps, mean, rstd, centre)
+            if threads > 1:
+                _long_rows_parallel(row_args, threads)
+            else:
+                _long_rows(row_args)
+        else:
+            args = (x_bits, r_bits, y_bits, h_bits, w, b, plan.eps, mean, rstd, centre)
+            if threads > 1:
+                load_serial_first(add_norm_rows_parallel, args, (add_norm_rows, (*args, 0, 0)))
+                add_norm_rows_parallel(*args, threads)
+            else:
+                add_norm_rows(*args, 0, plan.rows)
+    finally:
+        POOL.release(threads)
+    mean_out = mean if plan.return_stats and centre else None
+    rstd_out = rstd if plan.return_stats else None
+    if not torch_family:
+        return y_np, h_np, mean_out, rstd_out
+    import torch
+
+    y = out if out is not None else _numpy_as_tensor(y_np, plan.dtype)
+    h = None
+    if h_np is not None:
+        h = residual_out if residual_out is not None else _numpy_as_tensor(h_np, plan.dtype)
+    return (
+        y,
+        h,
+        None if mean_out is None else torch.from_numpy(mean_out),
+        None if rstd_out is None else torch.from_numpy(rstd_out),
+    )
+
+
+def _add_rows(args: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int) -> None:
+    """``h = x + residual`` of every row (``args``: x, residual, h) on ``threads`` threads."""
+    if threads > 1:
+        load_serial_first(add_rows_parallel, args, (add_rows, (*args, 0, 0)))
+        add_rows_parallel(*args, threads)
+    else:
+        add_rows(*args, 0, args[0].shape[0])
 
 
 def to_numpy(a: np.ndarray) -> np.ndarray:

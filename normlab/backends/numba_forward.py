@@ -40,7 +40,7 @@ Range: a row whose block sums overflow (float32 values beyond about 1.8e19, floa
 1e154) or, with an eps too small to hide it, underflow (a mean square below the compute dtype's
 smallest normal number: float32 values near 1e-20), or whose rstd exceeds float32 (eps = 1e-80
 on a constant row), is redone in float64 on its values scaled by a power of two
-(``_wide_stats``, ``_write_wide``): accurate anywhere in the dtype's finite range. Other rows
+(``wide_stats``, ``write_wide``): accurate anywhere in the dtype's finite range. Other rows
 never pay for it.
 
 Fast-math flags are ``reassoc`` (to vectorise the sums), ``contract`` (FMA) and ``nsz``: none of
@@ -74,11 +74,19 @@ __all__ = [
     "SEGMENT",
     "layer_norm_rows",
     "layer_norm_rows_parallel",
+    "load",
     "long_rows_parallel",
     "merge_segments",
+    "narrow",
+    "row_moments",
     "segment_moments",
+    "store",
     "sub_exact",
+    "underflowed",
+    "wide_stats",
+    "write_row",
     "write_segments",
+    "write_wide",
 ]
 
 #: Fast-math flags that keep IEEE NaN and Inf behaviour (no ``nnan``, ``ninf``, ``afn``).
@@ -265,7 +273,7 @@ def sub_exact(a: float, b: float) -> float:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
-def _moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
+def row_moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
     # Shifted two-pass moments of a contiguous span, n = len(src) >= 1:
     #   mean = x0 + sum(x - x0) / n      x0 = src[0]: a constant span stays exact (LayerNorm)
     #   mean = 0                         without centring (RMSNorm)
@@ -300,7 +308,7 @@ def _moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
 def _wide_moments(xr: Any, inv_scale: float, centre: bool) -> tuple[float, float]:
-    # _moments of a whole row in float64 throughout, of the values x * inv_scale (a power of
+    # row_moments of a whole row in float64 throughout, of the values x * inv_scale (a power of
     # two: exact), for rows whose compute-dtype sums overflow or underflow. xr: a row of x, any
     # element type and stride.
     n = xr.shape[0]
@@ -319,12 +327,12 @@ def _wide_moments(xr: Any, inv_scale: float, centre: bool) -> tuple[float, float
 
 
 @njit(error_model="numpy", cache=True)
-def _wide_stats(xr: Any, eps: float, centre: bool) -> tuple[float, float, float]:
+def wide_stats(xr: Any, eps: float, centre: bool) -> tuple[float, float, float]:
     # A row's statistics when its compute-dtype ones do not hold (the caller's test, `wide`:
     # m2 is inf or NaN or underflowed, or rstd is beyond the compute dtype), recomputed from xr
     # in float64 on the values scaled by a power of two s (x / s in [1, 2) for the row's
     # largest |x|), so that no square overflows or underflows: returns (mean / s, rstd * s, s),
-    # and y = (x / s - mean / s) * (rstd * s) (_write_wide) is the same y, even for a row
+    # and y = (x / s - mean / s) * (rstd * s) (write_wide) is the same y, even for a row
     # spanning float64's whole range. A NaN or Inf in the row gives NaN (s = 1). eps = 1e-80 on
     # a constant float32 row gives (x - mean) * rstd = 0 * 1e40 = 0, never 0 * inf = NaN; eps =
     # 0 on a constant row gives NaN (0 / 0), as IEEE arithmetic does. Not inlined: rare.
@@ -345,7 +353,7 @@ def _wide_stats(xr: Any, eps: float, centre: bool) -> tuple[float, float, float]
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
-def _write(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
+def write_row(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
     # y = (x - mean) * rstd * w + b over a span, in the compute dtype, rounded once to y's type.
     # xr: the span of x (any element type, any stride). yr: the span of y to write; may be the
     # memory xr is read from (in place): each element is read before it is written.
@@ -358,9 +366,9 @@ def _write(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float) -> None:
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
-def _write_wide(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float, scale: float) -> None:
-    # _write in float64 on the scaled values, for a span whose row is wide: mean, rstd, scale
-    # as _wide_stats returns them. y is rounded to the compute dtype and then to y's type.
+def write_wide(xr: Any, yr: Any, w: Any, b: Any, mean: float, rstd: float, scale: float) -> None:
+    # write_row in float64 on the scaled values, for a span whose row is wide: mean, rstd, scale
+    # as wide_stats returns them. y is rounded to the compute dtype and then to y's type.
     # Not inlined: rare.
     inv_scale = 1.0 / scale
     for j in range(xr.shape[0]):
@@ -382,7 +390,7 @@ def _wide_rows(
     wide: Any,
 ) -> None:
     # Rows start + k for which wide[k] is set (layer_norm_rows left them unwritten, so x is
-    # intact even in place): statistics redone by _wide_stats, y by _write_wide. Other
+    # intact even in place): statistics redone by wide_stats, y by write_wide. Other
     # arguments as in layer_norm_rows.
     scratch = np.empty(x.shape[1], w.dtype)
     for k in range(wide.shape[0]):
@@ -390,8 +398,8 @@ def _wide_rows(
             continue
         i = start + k
         src = source_row(x[i], scratch)
-        m, r, s = _wide_stats(src, eps, centre)
-        _write_wide(src, out_row(x, y, i), w, b, m, r, s)
+        m, r, s = wide_stats(src, eps, centre)
+        write_wide(src, out_row(x, y, i), w, b, m, r, s)
         if mean.shape[0] != 0:
             mean[i] = m * s
         if rstd.shape[0] != 0:
@@ -412,27 +420,27 @@ def layer_norm_rows(
     stop: int,
 ) -> None:
     # LayerNorm (centre) or RMSNorm of rows start..stop-1 of x, on this thread, three sweeps of
-    # each row in cache: _moments (two), then _write. rstd = 1 / sqrt(m2 / n + eps).
+    # each row in cache: row_moments (two), then write_row. rstd = 1 / sqrt(m2 / n + eps).
     # x: 2-D (rows, cols), any strides (negative and zero included); elements as in the table.
     # y: 2-D like x (any strides), or None to normalize x in place.
     # w, b: compute dtype, contiguous, length cols (b: zeros for RMSNorm). eps: float64.
     # mean, rstd: 1-D (rows,) float32 or float64 to receive the statistics, or empty (none).
     # A row that is not contiguous compute-dtype data is first copied into one scratch row.
-    # A wide row (see _wide_stats) is left unwritten here (an empty span, not a branch: a call
-    # or a branch around _write in this loop costs 5-40% per row) and redone by _wide_rows.
+    # A wide row (see wide_stats) is left unwritten here (an empty span, not a branch: a call
+    # or a branch around write_row in this loop costs 5-40% per row) and redone by _wide_rows.
     scratch = np.empty(x.shape[1], w.dtype)
     wide = np.empty(max(stop - start, 0), np.bool_)
     any_wide = False
     for i in range(start, stop):
         src = source_row(x[i], scratch)
-        m, m2 = _moments(src, w, centre)
+        m, m2 = row_moments(src, w, centre)
         r = 1.0 / np.sqrt(m2 / src.shape[0] + eps)  # eps added in float64
         ok = np.isfinite(m2) and np.isfinite(narrow(r, w))
         ok = ok and not underflowed(m2, src.shape[0], eps, w)
         wide[i - start] = not ok
         any_wide |= not ok
         k = src.shape[0] if ok else 0
-        _write(src[:k], out_row(x, y, i)[:k], w, b, m, r)
+        write_row(src[:k], out_row(x, y, i)[:k], w, b, m, r)
         if mean.shape[0] != 0:
             mean[i] = m
         if rstd.shape[0] != 0:
@@ -461,7 +469,7 @@ def layer_norm_rows_parallel(
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True)
 def segment_moments(x: Any, w: Any, centre: bool, moments: Any, first: int, last: int) -> None:
-    # _moments of each segment of items first..last-1: moments[row, segment] = (mean, m2).
+    # row_moments of each segment of items first..last-1: moments[row, segment] = (mean, m2).
     # The segment is read from memory once and swept a second time in L1 (16-32 KiB).
     # x: as in layer_norm_rows. moments: (rows, S, 2) float64.
     cols = x.shape[1]
@@ -472,7 +480,7 @@ def segment_moments(x: Any, w: Any, centre: bool, moments: Any, first: int, last
         a = s * SEGMENT
         e = min(cols, a + SEGMENT)
         src = source_row(x[i, a:e], scratch[: e - a])
-        m, m2 = _moments(src, w, centre)
+        m, m2 = row_moments(src, w, centre)
         moments[i, s, 0] = m
         moments[i, s, 1] = m2
 
@@ -492,7 +500,7 @@ def merge_segments(
     # Each row's moments from its segments', merged in segment order (Chan, Golub & LeVeque):
     #   n = na + nb;  delta = mean_b - mean_a
     #   mean = mean_a + delta * nb / n;  m2 = m2_a + m2_b + delta^2 * na * nb / n
-    # then rstd (and _wide_stats when wide) as in layer_norm_rows, into stats[row] = (mean,
+    # then rstd (and wide_stats when wide) as in layer_norm_rows, into stats[row] = (mean,
     # rstd) and wide[row]; mean and rstd (1-D, or empty) receive the statistics.
     # No fast-math: the order is the one written, whatever the thread count.
     cols = x.shape[1]
@@ -512,7 +520,7 @@ def merge_segments(
         wide[i] = not (ok and not underflowed(m2, cols, eps, w))
         scale = 1.0
         if wide[i]:
-            m, r, scale = _wide_stats(x[i], eps, centre)
+            m, r, scale = wide_stats(x[i], eps, centre)
         stats[i, 0] = m
         stats[i, 1] = r
         stats[i, 2] = scale
@@ -526,7 +534,7 @@ def merge_segments(
 def write_segments(
     x: Any, y: Any, w: Any, b: Any, stats: Any, wide: Any, first: int, last: int
 ) -> None:
-    # _write of each segment of items first..last-1, reading x once more from memory.
+    # write_row of each segment of items first..last-1, reading x once more from memory.
     # stats, wide: as merge_segments filled them; w, b: length cols, or (a weight or bias the
     # caller did not give: ones, zeros) length SEGMENT, the same span for every segment; other
     # arguments as in layer_norm_rows.
@@ -540,9 +548,9 @@ def write_segments(
         ws = w[a:e] if w.shape[0] == cols else w[: e - a]
         bs = b[a:e] if b.shape[0] == cols else b[: e - a]
         if wide[i]:
-            _write_wide(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1], stats[i, 2])
+            write_wide(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1], stats[i, 2])
         else:
-            _write(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
+            write_row(x[i, a:e], yr[a:e], ws, bs, stats[i, 0], stats[i, 1])
 
 
 @njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)

@@ -28,6 +28,7 @@ double as scratch: x must stay readable until its block is done.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Final
 
@@ -37,6 +38,8 @@ from normlab.constants import ROW_CHUNK
 from normlab.hookspecs import Plan
 
 __all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
@@ -174,6 +177,75 @@ def _normalize_blocks(
             if rstds is not None:
                 rstds[start + bad] = wide[2]
     return y, means, rstds
+
+
+def add_layer_norm(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """``h = x + residual`` (NumPy's add in x's dtype), then LayerNorm of ``h``, block by block
+    (:func:`_add_normalize`); see :mod:`normlab.hookspecs`."""
+    return _add_normalize(x, residual, weight, bias, plan, out, residual_out, centre=True)
+
+
+def add_rms_norm(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, None, np.ndarray | None]:
+    """``h = x + residual``, then RMSNorm of ``h``; returns ``(y, h, None, rstd)``."""
+    y, h, _, rstd = _add_normalize(x, residual, weight, None, plan, out, residual_out, False)
+    return y, h, None, rstd
+
+
+def _add_normalize(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+    centre: bool,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """Both fused ops, in the row blocks of :func:`_normalize_blocks`: a block's h is added
+    whole (into the h output, or, when h is not returned, a block-sized buffer), then the block
+    is normalized from it by :func:`_normalize_blocks` itself, so y and the statistics are those
+    of ``layer_norm(h)``. The block's x and residual are read before its y is written: ``out``
+    may be the memory of x or residual, the h output that of residual or x."""
+    rows, cols = plan.rows, plan.cols
+    compute = np.dtype(plan.compute_dtype)
+    block = max(1, BLOCK_BYTES // (cols * compute.itemsize))
+    y = out if out is not None else np.empty((rows, cols), dtype=x.dtype)
+    h = None
+    if plan.return_residual:
+        h = residual_out if residual_out is not None else np.empty((rows, cols), dtype=x.dtype)
+    buffer = np.empty((min(block, rows) if h is None else 0, cols), x.dtype)  # h not returned
+    means = np.empty(rows, compute) if plan.return_stats and centre else None
+    rstds = np.empty(rows, compute) if plan.return_stats else None
+    with np.errstate(all="ignore"):
+        for start in range(0, rows, block):
+            stop = min(start + block, rows)
+            hb = h[start:stop] if h is not None else buffer[: stop - start]
+            np.add(x[start:stop], residual[start:stop], out=hb)
+            part = dataclasses.replace(plan, rows=stop - start)
+            _, mean_b, rstd_b = _normalize_blocks(hb, weight, bias, part, y[start:stop], centre)
+            if means is not None:
+                means[start:stop] = mean_b
+            if rstds is not None:
+                rstds[start:stop] = rstd_b
+    return y, h, means, rstds
 
 
 def _long_rows(

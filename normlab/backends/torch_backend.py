@@ -37,6 +37,8 @@ from normlab.constants import HALF_DTYPES, MACHINE_EPS, ROW_CHUNK
 from normlab.hookspecs import Plan
 
 __all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
@@ -151,6 +153,48 @@ def _rms_norm_cpu(
     if bad is not None:
         y, (rstd,) = _repair(x, weight, None, plan, _indices(bad), y, (rstd.reshape(plan.rows),))
     return y, None, rstd.reshape(plan.rows) if plan.return_stats else None
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    plan: Plan,
+    out: Any = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``h = torch.add(x, residual)`` (into ``residual_out`` when given), then
+    :func:`layer_norm` of ``h``: composed from torch operations, autograd kept; see
+    :mod:`normlab.hookspecs`. Without ``plan.return_residual`` h is a temporary."""
+    h = _add(x, residual, residual_out)
+    y, mean, rstd = layer_norm(h, weight, bias, plan=plan)
+    return y, h if plan.return_residual else None, mean, rstd
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: Any = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, None, torch.Tensor | None]:
+    """``h = torch.add(x, residual)``, then :func:`rms_norm` of ``h``; ``(y, h, None, rstd)``."""
+    h = _add(x, residual, residual_out)
+    y, _, rstd = rms_norm(h, weight, None, plan=plan)
+    return y, h if plan.return_residual else None, None, rstd
+
+
+def _add(x: torch.Tensor, residual: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """``x + residual`` in x's dtype (torch's own add), into ``into`` when given (which may be
+    the memory of x or residual: torch adds element by element)."""
+    if into is None:
+        return torch.add(x, residual)
+    return torch.add(x, residual, out=into)
 
 
 def _checked(x: torch.Tensor) -> bool:
