@@ -48,6 +48,17 @@ RANGE_EDGES: Final = {
 }
 
 
+#: Where a dtype's spacing becomes 2 (``2**(nmant + 1)``): values ``spaced`` are a few
+#: spacings above it, so that a residual below half a spacing rounds away in ``h`` (the fused
+#: ops' ``below_spacing`` residual, docs/fused.md "Why h is rounded first").
+SPACING_TWO_AT: Final = {
+    "float16": 2.0**11,
+    "bfloat16": 2.0**8,
+    "float32": 2.0**24,
+    "float64": 2.0**53,
+}
+
+
 def stats_dtype(dtype: str) -> str:
     """The statistics' dtype for x of ``dtype``."""
     return "float64" if dtype == "float64" else "float32"
@@ -64,6 +75,8 @@ def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator, dtype: 
         return rng.standard_normal(shape) * np.exp2(k)
     if kind == "offset":
         return 100.0 + 0.01 * rng.standard_normal(shape)
+    if kind == "spaced" and dtype in FLOATS:  # exact: C + 0, 2, 4 or 6 where the spacing is 2
+        return SPACING_TWO_AT[dtype] + 2.0 * rng.integers(0, 4, shape)
     if kind == "integers":
         return rng.integers(-3, 4, shape).astype(np.float64)
     if kind == "tiny":
@@ -666,7 +679,8 @@ class Fused:
     residual: str  # ok, x (x itself), x_view, requires_grad, wrong_shape, wrong_dtype,
     #                other_family, list, masked
     residual_layout: str
-    residual_values: str  # independent, cancel (-x plus a little), small (below x's spacing)
+    residual_values: str  # independent, cancel (-x plus a little), small (below x's spacing),
+    #                       below_spacing (below half the spacing of ``spaced`` x: h is x)
     return_residual: Any
     out: str | None  # None: call.out's form; else x, x_view, residual, residual_view
     residual_out: str | None  # None, a layout (a fresh array), x, x_view, residual,
@@ -720,6 +734,8 @@ class Fused:
             values = -x64 + 0.01 * rng.standard_normal(c.shape)
         elif self.residual_values == "small":  # mostly below x's spacing: h rounds to x
             values = np.abs(x64) * 1e-3 * rng.standard_normal(c.shape)
+        elif self.residual_values == "below_spacing":  # below half of spaced x's spacing (1)
+            values = rng.uniform(-0.9, 0.9, c.shape)
         else:
             values = _values(c.shape, c.values, rng, c.dtype)
         r = laid_out(c.family, c.dtype, values, self.residual_layout, kind == "requires_grad")

@@ -312,8 +312,10 @@ def backward_calls(draw: st.DrawFn) -> Backward:
 #: The fused ops' own forms of their arguments (fuzz_model.Fused), valid and invalid.
 VALID_RESIDUALS: Final = ("ok", "ok", "ok", "ok", "x", "x_view", "overlaps_x")
 INVALID_RESIDUALS: Final = ("wrong_shape", "wrong_dtype", "other_family", "list")
-#: Residual values: as x's, cancelling x (h small, mostly its rounding), below x's spacing.
-RESIDUAL_VALUES: Final = ("independent", "independent", "cancel", "small")
+#: Residual values: as x's, cancelling x (h small, mostly its rounding), below x's spacing,
+#: below half the spacing of x drawn a few spacings above a power of two (h rounds to x, and
+#: y of the exact sum would differ by a large part of a standard deviation).
+RESIDUAL_VALUES: Final = ("independent", "independent", "cancel", "small", "below_spacing")
 INVALID_RETURN_RESIDUAL: Final = (1, None, np.True_, "yes")
 #: ``out`` forms only the fused ops have (x's own is the base op's ``out="x"``).
 FUSED_OUT: Final = ("residual", "residual_view", "x_view")
@@ -392,6 +394,9 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         residual_out = draw(
             st.sampled_from((None,) * 6 + RESIDUAL_OUT_LAYOUTS[family] + VALID_RESIDUAL_OUT)
         )
+    residual_values = draw(st.sampled_from(RESIDUAL_VALUES))
+    if residual_values == "below_spacing":
+        call = dataclasses.replace(call, values="spaced")
     if residual == "overlaps_x":
         residual, overlap = "ok", "residual~x"
     if residual_out is not None and wrong != "return_residual":
@@ -406,7 +411,7 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         call=call,
         residual=residual,
         residual_layout=draw(st.sampled_from(LAYOUTS[family])),
-        residual_values=draw(st.sampled_from(RESIDUAL_VALUES)),
+        residual_values=residual_values,
         return_residual=return_residual,
         out=out,
         residual_out=residual_out,
@@ -420,7 +425,7 @@ FUSED_FORMS: Final = (
     "in-place serving form (out=x, residual_out=residual)",
     "residual passed as x",
     "post-norm form (return_residual=False)",
-    "half-precision h that rounds (a small or cancelling residual)",
+    "h that rounds to x (a residual below half x's spacing)",
     "outputs partly overlapping, refused",
 )
 
@@ -443,6 +448,6 @@ def fused_forms(fz: Fused, kwargs: dict[str, Any], expected: set[type[Exception]
         forms.append(FUSED_FORMS[1])
     if fz.return_residual is False:
         forms.append(FUSED_FORMS[2])
-    if fz.call.dtype in HALF and fz.residual_values in ("small", "cancel"):
+    if fz.residual_values == "below_spacing":
         forms.append(FUSED_FORMS[3])
     return forms
