@@ -69,12 +69,14 @@ def test_rows_of_unrepresentable_mean_on_numba(dtype: str) -> None:
     strict=True,
     reason=(
         "torch's CPU layer_norm (torch 2.13), which the torch backend calls, finds variance 0 "
-        "for the row [2**24 + 6, 2**24 + 4] (float32; 2**53 + ... in float64): y = "
-        "[632.46, 0] = 2 / sqrt(eps), the reference [1, -1], allowed 16 at conditioning "
-        "1.7e7. Fix in normlab/backends/torch_backend.py: normalize the rows shifted by one of "
-        "their own elements (x - x[..., :1], exact for rows within a factor of two of it; "
-        "LayerNorm is shift-invariant, add the shift back to the mean), as the numpy backend's "
-        "shifted two-pass mean does"
+        "for the row [2**24 + 6, 2**24 + 4] in float32 ([2**53 + 6, 2**53 + 4] in float64): "
+        "y = [632.46, 0] = 2 / sqrt(eps) against [1, -1], allowed 16 at conditioning 1.7e7. "
+        "The torch backend's rows-sized rstd check recomputes rows whose rstd is 0, inf or NaN, "
+        "or eps-dominated for half x only. Fix in normlab/backends/torch_backend.py: flag "
+        "float32/float64 rows whose rstd is about 1/sqrt(eps) too, and recompute them shifted "
+        "by one of their own elements (x - x[..., :1]: exact for rows within a factor of two "
+        "of it; LayerNorm is shift-invariant, the shift is added back to the mean; float64 "
+        "alone cannot hold the mean of the float64 row)"
     ),
 )
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -18,8 +18,9 @@ docs/reliability.md come from larger runs). The examples are those of the hypoth
 force (tests/conftest.py): the same on every run by default, new ones with
 ``NORMLAB_HYPOTHESIS_PROFILE=explore``. The model is in fuzz_model.py, the strategies in
 fuzz_strategies.py. Each bug the fuzzer found has a test in the module of what it concerns
-(test_range.py, test_errors.py, test_autograd_edges.py); what stays open (torch's own numerics
-on CUDA) is an xfail there.
+(test_range.py, test_errors.py, test_autograd_edges.py, test_fused_fuzz_findings.py); what
+stays open (torch's own numerics on CUDA, torch's CPU layer_norm at conditioning 1/eps) is an
+xfail there.
 """
 
 from __future__ import annotations
