@@ -21,6 +21,14 @@ whether normlab's default choice for that NumPy input is this backend (``default
 "auto" rows time that default itself: ``normlab.<op>`` with no backend named, on NumPy arrays
 (``auto``) and on CPU torch tensors (``auto-torch``), dispatch included.
 
+The fused ops (``add_layer_norm``, ``add_rms_norm``: residual add + norm) have rows of their own
+on CPU torch tensors (``workloads.fused_call``): normlab's fused call with numba named (``(y, h)``,
+and the post-norm ``y`` alone) and with no backend named (``auto-torch``), against the unfused
+pairs on the same tensors: torch eager's add then ``normlab.layer_norm``/``rms_norm`` on numba,
+torch eager's add then ``F.layer_norm``/``F.rms_norm``, and in the full matrix ``torch.compile``
+of that pair. Their shapes (:data:`FUSED_SHAPES`) are a few small (x ≤ 1 MiB) and large
+(x ≥ 8 MiB) inputs, float32 and the half types.
+
 The textbook formula runs only where its temporaries (up to six times the input, in float32 or
 wider) fit in a quarter of the memory. Also here: the dispatch overhead on a tiny array, and
 peak memory per backend on a large input (both LayerNorm forward).
@@ -42,6 +50,9 @@ import pytest
 from workloads import (
     AUTO,
     EPS,
+    FUSED,
+    FUSED_MODES,
+    FUSED_REFERENCES,
     LIMITS,
     OPS,
     REFERENCES,
@@ -49,6 +60,7 @@ from workloads import (
     auto_call,
     backend_call,
     completing,
+    fused_call,
     make_input,
     make_params,
     moved_bytes,
@@ -75,6 +87,17 @@ QUICK_SHAPES: Final = {
     "layer_norm_backward": ((1, 1000), (1024, 4096)),
     "rms_norm_backward": ((1, 1000), (1024, 4096)),
 }
+#: The fused ops' shapes: small (x ≤ 1 MiB, where the unfused pair's second call's fixed cost
+#: tells) and large (x ≥ 8 MiB in every dtype measured: memory-bound). The quick matrix shares
+#: its two inputs with the other ops (and their copy limits).
+FUSED_SHAPES: Final = {
+    "quick": ((1, 1000), (1024, 4096)),
+    "full": ((1, 768), (32, 768), (128, 768), (8192, 1024), (16384, 768)),
+}
+#: The dtypes the fused ops are measured on (of the matrix's own): float64 is left out.
+FUSED_DTYPES: Final = ("float32", "float16", "bfloat16")
+#: Relative cost of a fused call to a forward on the same input (four arrays, not two).
+FUSED_COST: Final = 2.0
 DTYPES: Final = {
     "quick": ("float32", "float16"),
     "full": ("float32", "float16", "bfloat16", "float64"),
@@ -94,8 +117,8 @@ BACKWARD_COST: Final = 1.5
 TEXTBOOK_TEMPORARIES: Final = 6
 #: A round lasts at least this long (tiny calls are repeated within a round).
 MIN_ROUND_S: Final = 1e-4
-#: A call this slow (the textbook formula on big half-precision inputs) gets one warm-up call
-#: and at least this many rounds, instead of two warm-up calls and the matrix's least rounds.
+#: A call this slow once warm (the textbook formula on big half-precision inputs) gets at least
+#: this many rounds, instead of the matrix's least rounds.
 SLOW_CALL_S: Final = 1.0
 SLOW_CALL_ROUNDS: Final = 3
 DISPATCH_SHAPE: Final = (8, 64)
@@ -138,7 +161,10 @@ class Case:
     @property
     def weight(self) -> float:
         """Relative cost, for sharing the time budget: the input size plus a floor per call."""
-        cost = 1.0 if self.op in (None, *FORWARDS) else BACKWARD_COST
+        if self.op in FUSED:
+            cost = FUSED_COST
+        else:
+            cost = 1.0 if self.op in (None, *FORWARDS) else BACKWARD_COST
         return float(self.elements * 4 * cost + 2**20)
 
 
@@ -201,6 +227,8 @@ def _about(backend: Backend, why: str) -> str:
 
 def shapes(matrix: str, op: str, dtype: str | None = None) -> list[tuple[int, ...]]:
     """The shapes of ``op`` in ``matrix`` (on ``dtype``: the sweep's too), small to large."""
+    if op in FUSED:
+        return list(FUSED_SHAPES[matrix]) if dtype is None or dtype in FUSED_DTYPES else []
     if matrix == "quick":
         return sorted(QUICK_SHAPES[op], key=lambda s: (math.prod(s), s))
     grid = {(r, h) for r in ROWS for h in HIDDEN if r * h <= CAP_ELEMENTS} | set(RANK3)
@@ -243,6 +271,10 @@ def matrix_params(matrix: str) -> list[Any]:
     for op in OPS:
         by_op[op], skipped = serving(backends, op)
         params.extend(skipped)
+    numba = next((b for b in backends if b.name == "numba"), None)
+    fused_refusal = _fused_refusal(numba)
+    if fused_refusal is not None:
+        params.append(_skip(f"the fused ops' rows {fused_refusal}", "fused"))
     for backend in backends:
         if "out" not in backend.capabilities and any(backend in by_op[op] for op in FORWARDS):
             reason = f"backend {backend.name!r} does not claim out= (it would write a temporary)"
@@ -258,14 +290,18 @@ def matrix_params(matrix: str) -> list[Any]:
             if why is not None:
                 refused.add(backend.name)
                 params.append(_skip(f"backend {backend.name!r} {why}", f"{backend.name}-{dtype}"))
-        of_op = {op: shapes(matrix, op, dtype) for op in OPS}
-        every = sorted({s for op in OPS for s in of_op[op]}, key=lambda s: (math.prod(s), s))
+        measured = OPS if fused_refusal is not None or "numba" in refused else (*OPS, *FUSED)
+        of_op = {op: shapes(matrix, op, dtype) for op in measured}
+        every = sorted({s for op in measured for s in of_op[op]}, key=lambda s: (math.prod(s), s))
         for shape in every:
             params.extend(_limit_cases(dtype, shape))
-            for op in OPS:
+            for op in measured:
                 if shape in of_op[op]:
-                    serving_op = [b for b in by_op[op] if b.name not in refused]
-                    params.extend(_cases(op, dtype, shape, serving_op))
+                    if op in FUSED:
+                        params.extend(_fused_cases(op, dtype, shape))
+                    else:
+                        serving_op = [b for b in by_op[op] if b.name not in refused]
+                        params.extend(_cases(op, dtype, shape, serving_op))
                     if matrix == "full":
                         params.extend(_peer_cases(op, dtype, shape))
     return params
@@ -319,11 +355,35 @@ def _cases(op: str, dtype: str, shape: tuple[int, ...], backends: list[Backend])
     return params
 
 
+def _fused_refusal(numba: Backend | None) -> str | None:
+    """Why the fused ops are not measured here (they need torch, and numba for the unfused pair
+    they are judged against), or ``None``."""
+    if not _installed("torch"):
+        return "need torch (they run on CPU torch tensors)"
+    if numba is None:
+        return "need the numba backend (usable here) for the unfused pair they are judged against"
+    for op in FORWARDS:
+        why = op_refusal(numba, op)
+        if why is not None:
+            return f"need numba's {op}: backend 'numba' {why}"
+    return None
+
+
+def _fused_cases(op: str, dtype: str, shape: tuple[int, ...]) -> list[Any]:
+    """The cases of fused ``op`` on one input: the unfused pairs, then normlab's fused call
+    with numba named (both modes) and with no backend named."""
+    cases = [Case(op, name, "alloc", shape, dtype, reference=True) for name in FUSED_REFERENCES]
+    cases += [Case(op, "numba", mode, shape, dtype) for mode in FUSED_MODES]
+    cases.append(Case(op, "auto-torch", "alloc", shape, dtype))
+    return [pytest.param(case, id=case.id) for case in cases]
+
+
 def _peer_cases(op: str, dtype: str, shape: tuple[int, ...]) -> list[Any]:
-    """The peers of ``op`` on one input (torch.compile on :data:`COMPILE_SHAPES` only)."""
+    """The peers of ``op`` on one input (torch.compile on :data:`COMPILE_SHAPES` only, and on
+    every shape of the fused ops)."""
     params = []
     for name in peers.PEERS.get(op, ()):
-        if name == "torch_compile" and shape not in COMPILE_SHAPES:
+        if name == "torch_compile" and shape not in COMPILE_SHAPES and op not in FUSED:
             continue
         mode = "out" if name == "ort_iobinding" else "alloc"
         case = Case(op, name, mode, shape, dtype, reference=True)
@@ -392,6 +452,8 @@ def inputs() -> Inputs:
 
 
 def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
+    if case.op in FUSED and case.subject not in peers.PEERS[case.op]:
+        return fused_call(case.op, case.subject, case.mode, data)
     if case.reference or case.op is None:
         try:
             return reference_call(case.op or "layer_norm", case.subject, data)
@@ -414,14 +476,17 @@ def default_backend(op: str, data: Workload) -> str | None:
 def _probe(call: Callable[[], Any]) -> float:
     """Seconds of one warm call: an untimed warm-up call (imports, JIT, caches), then one more.
 
-    A warm-up call of :data:`SLOW_CALL_S` or more stands for the call's time: such a call is
-    big (and its rounds are few anyway) or compiled on the way (an overestimate, so fewer rounds).
+    The second call stands even when the warm-up takes :data:`SLOW_CALL_S` or more: that may be
+    a compile or a kernel loaded on the way (numba's kernel for a new dtype or layout, first met
+    by the fused ops' unfused pair), and taking it for the call's time left such a call three
+    rounds. A call that is slow every time costs one more call here.
     """
-    start = time.perf_counter()
-    call()
-    first = time.perf_counter() - start
-    if first >= SLOW_CALL_S:
-        return first
+    _timed(call)
+    return _timed(call)
+
+
+def _timed(call: Callable[[], Any]) -> float:
+    """Seconds of one call of ``call``."""
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
@@ -489,7 +554,7 @@ def test_matrix(
     data = inputs.get(case.shape, case.dtype)
     call = _call_for(case, data)
     rounds, iterations = _pace(_probe(call), share, MIN_ROUND_S, matrix)
-    nbytes = 2 * data.x.nbytes if case.op is None else moved_bytes(case.op, data)
+    nbytes = 2 * data.x.nbytes if case.op is None else moved_bytes(case.op, data, case.mode)
     if case.kind in FORWARDS:
         benchmark.extra_info["default"] = default_backend(case.kind, data) == case.subject
     if case.reference and case.op is not None and case.subject.startswith("ort"):

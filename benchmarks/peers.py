@@ -12,7 +12,9 @@
 - ``torch_compile``: ``torch.compile(dynamic=False)`` (inductor) of the very call the torch
   eager reference times, compiled (and run once) before the timing, on the dtypes of
   :data:`COMPILE_DTYPES` and a subset of shapes (``bench_matrix.COMPILE_SHAPES``): every new
-  shape is a compile of its own.
+  shape is a compile of its own. For the fused ops (``add_layer_norm``, ``add_rms_norm``) it is
+  the only peer: the compiled unfused pair ``h = x + residual; (F.layer_norm(h, ...), h)``, on
+  every fused shape.
 
 :func:`unavailable` says at collection time why a peer cannot run here (the library is not
 installed, ORT has no kernel for the dtype); :func:`call` raises :class:`PeerUnavailable` when
@@ -43,6 +45,8 @@ __all__ = [
 PEERS: Final = {
     "layer_norm": ("ort", "ort_iobinding", "torch_compile"),
     "rms_norm": ("ort", "ort_iobinding", "torch_compile"),
+    "add_layer_norm": ("torch_compile",),
+    "add_rms_norm": ("torch_compile",),
 }
 #: The dtypes torch.compile is measured on (every (shape, dtype) is a compile of its own).
 COMPILE_DTYPES: Final = ("float32", "float16")

@@ -13,8 +13,11 @@ Runtime (``session.run``, and an io_binding into a preallocated output) and ``to
 "× best peer" is the call's speed-up over the fastest peer measured beside it (torch eager,
 either ORT call, torch.compile). GB/s counts the bytes the op must move (forwards: ``x``
 and ``y``; backwards: ``x`` and ``dy`` read, ``dx`` written, plus statistics and parameter
-gradients); "% of copy" is that GB/s over the copy's. Runs saved before the matrix had several
-ops hold LayerNorm forward calls only, and read as such.
+gradients; fused ops: ``x`` and ``residual`` read, ``h`` and ``y`` written, no ``h`` in the
+post-norm form); "% of copy" is that GB/s over the copy's. The fused ops are also compared with
+the unfused pair that normlab itself would run, torch eager's add then normlab's base op on
+numba ("× add+numba"), against the issue's targets (:data:`FUSED_TARGETS`). Runs saved before
+the matrix had several ops hold LayerNorm forward calls only, and read as such.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rich.console import Console
 from rich.table import Table as RichTable
 
 __all__ = [
+    "FUSED_TARGETS",
     "Change",
     "Dispatch",
     "Row",
@@ -41,6 +45,8 @@ __all__ = [
     "compare_table",
     "dispatch",
     "docs_page",
+    "fused_table",
+    "key_table",
     "load",
     "print_compare",
     "print_report",
@@ -65,7 +71,17 @@ OP_TITLES: Final = {
     "rms_norm": "RMSNorm forward",
     "layer_norm_backward": "LayerNorm backward",
     "rms_norm_backward": "RMSNorm backward",
+    "add_layer_norm": "Residual add + LayerNorm (fused)",
+    "add_rms_norm": "Residual add + RMSNorm (fused)",
 }
+#: The fused ops, and the unfused pair each is judged against: torch eager's add, then
+#: normlab's base op on numba.
+FUSED: Final = ("add_layer_norm", "add_rms_norm")
+COMPOSED: Final = "add_numba"
+#: The speed-ups over that pair the fused ops aim at (issue 17): on large inputs (x ≥ 8 MiB,
+#: memory-bound: one write and one read of h saved of five transfers, a ceiling near 1.25×) and
+#: on small ones (x < 1 MiB, where the second call's fixed cost dominates).
+FUSED_TARGETS: Final = {"large": 1.15, "small": 1.4}
 #: The copy limits: measured once per input, shared by every op.
 LIMITS: Final = ("copy", "copyto")
 REFERENCE_LABELS: Final = {
@@ -83,6 +99,8 @@ TORCH_LABELS: Final = {
     "rms_norm": "torch F.rms_norm",
     "layer_norm_backward": "torch autograd backward",
     "rms_norm_backward": "torch autograd backward",
+    "add_layer_norm": "torch x + r, then F.layer_norm",
+    "add_rms_norm": "torch x + r, then F.rms_norm",
 }
 #: What each op is measured against, for the notes under its tables.
 OP_NOTES: Final = {
@@ -105,8 +123,21 @@ OP_NOTES: Final = {
     "..., w)` computed beforehand (the forward is not timed). Both compute dx and dweight. "
     "GB/s counts `x` and `dy` read and `dx` written, plus `rstd` and `weight` read and "
     "`dweight` written; % of copy is that GB/s over the GB/s of `x.copy()`.",
+    "add_layer_norm": "`normlab.add_layer_norm(x, r, weight=w, bias=b)` on CPU torch tensors: "
+    "numba named, returning `(y, h)`, and its post-norm form (`return_residual=False`, `y` "
+    "alone); auto-torch: no backend named. Against the unfused pairs on the same tensors, which "
+    "return `(y, h)`: torch eager's `h = x + r` then `normlab.layer_norm(h, ..., "
+    "backend='numba')` (× add+numba, the issue's targets), then `F.layer_norm(h, ...)` "
+    "(× torch), and in the full matrix `torch.compile` of that torch pair. GB/s counts `x`, `r`, "
+    "`h` and `y` (post-norm: `x`, `r`, `y`).",
+    "add_rms_norm": "`normlab.add_rms_norm(x, r, weight=w)` on CPU torch tensors, as for "
+    "LayerNorm: against torch eager's `h = x + r` then `normlab.rms_norm(h, ..., "
+    "backend='numba')` (× add+numba), then `F.rms_norm(h, ...)` (its weight in x's dtype; "
+    "× torch), and `torch.compile` of that pair in the full matrix. GB/s counts `x`, `r`, `h` "
+    "and `y` (post-norm: `x`, `r`, `y`).",
 }
-_COPY_FOR_MODE: Final = {"alloc": "copy", "out": "copyto"}
+_COPY_FOR_MODE: Final = {"alloc": "copy", "out": "copyto", "post": "copy"}
+_MODE_LABELS: Final = {"out": " out=", "post": " post-norm"}
 _ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _LEGACY_OP: Final = "layer_norm"  # the op of runs saved before the matrix had several
 
@@ -115,6 +146,8 @@ def reference_label(op: str | None, subject: str) -> str:
     """How the reference point ``subject`` of ``op`` is called in tables."""
     if subject == "torch":
         return TORCH_LABELS.get(op or _LEGACY_OP, f"torch {op}")
+    if subject == COMPOSED and op in FUSED:
+        return f"torch x + r, then normlab.{op.removeprefix('add_')} (numba)"
     return REFERENCE_LABELS.get(subject, subject)
 
 
@@ -125,7 +158,8 @@ class Row:
     ``kind`` is ``"reference"`` or the op of a backend call; ``op`` the op it belongs to (None
     for the copy limits, which serve every op). ``vs_peer``: speed-up over the fastest other
     peer (:data:`PEERS`) on the same input; ``default``: normlab chooses this backend for this
-    NumPy input when no backend is named.
+    NumPy input when no backend is named; ``vs_composed`` (fused ops): speed-up over the unfused
+    pair on numba (:data:`COMPOSED`).
     """
 
     kind: str
@@ -141,6 +175,7 @@ class Row:
     vs_textbook: float | None
     vs_peer: float | None = None
     default: bool = False
+    vs_composed: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -150,7 +185,7 @@ class Row:
     def label(self) -> str:
         if self.kind == "reference":
             return reference_label(self.op, self.subject)
-        return self.subject + (" out=" if self.mode == "out" else "")
+        return self.subject + _MODE_LABELS.get(self.mode, "")
 
     @property
     def input_bytes(self) -> int:
@@ -285,6 +320,9 @@ def rows(run: dict[str, Any]) -> list[Row]:
             None if own == name else _speedup(refs, (op, shape, dtype, name), seconds)
             for name in ("torch", "textbook")
         )
+        composed = (
+            None if own == COMPOSED else _speedup(refs, (op, shape, dtype, COMPOSED), seconds)
+        )
         others = [refs.get((op, shape, dtype, p)) for p in PEERS if p != own]
         best_peer = min((ref[0] for ref in others if ref is not None), default=None)
         result.append(
@@ -302,6 +340,7 @@ def rows(run: dict[str, Any]) -> list[Row]:
                 vs_textbook=textbook,
                 vs_peer=None if best_peer is None else best_peer / seconds,
                 default=bool(info.get("default", False)),
+                vs_composed=composed,
             )
         )
     return result
@@ -453,6 +492,12 @@ def _has_peers(all_rows: Sequence[Row], op: str) -> bool:
     return any(r.op == op and r.kind == "reference" and r.subject in PEERS[1:] for r in all_rows)
 
 
+def key_table(all_rows: Sequence[Row], op: str) -> Table:
+    """The key ratios of ``op``: :func:`fused_table` for a fused op, else
+    :func:`summary_table`."""
+    return fused_table(all_rows, op) if op in FUSED else summary_table(all_rows, op)
+
+
 def summary_table(all_rows: Sequence[Row], op: str) -> Table:
     """Key ratios of ``op``: per call and dtype, geometric means over large and small inputs."""
     textbook = _has_textbook(all_rows, op)
@@ -488,6 +533,59 @@ def summary_table(all_rows: Sequence[Row], op: str) -> Table:
     )
 
 
+def _size_class(row: Row) -> str | None:
+    """``"large"``, ``"small"`` or None (in between): the input-size classes of the targets."""
+    if row.input_bytes >= LARGE_BYTES:
+        return "large"
+    return "small" if row.input_bytes < SMALL_BYTES else None
+
+
+def fused_table(all_rows: Sequence[Row], op: str) -> Table:
+    """A fused op's key ratios: per normlab call and dtype, geometric means over the large and
+    the small inputs of the speed-up over the unfused pair on numba (the issue's targets,
+    :data:`FUSED_TARGETS`), over torch eager's pair and over the best peer."""
+    peers = _has_peers(all_rows, op)
+    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in all_rows:
+        if r.op == op and r.kind != "reference":
+            groups[(r.label, r.dtype)].append(r)
+    body, alerts = [], set()
+    for (label, dtype), group in groups.items():
+        sized = {c: [r for r in group if _size_class(r) == c] for c in FUSED_TARGETS}
+        composed = {c: _geomean(r.vs_composed for r in sized[c]) for c in FUSED_TARGETS}
+        met = [
+            composed[c] >= target for c, target in FUSED_TARGETS.items() if composed[c] is not None
+        ]
+        if met and not all(met) and not label.endswith(_MODE_LABELS["post"]):
+            alerts.add(len(body))
+        line = [label, dtype, _gbps(_geomean(r.gbps for r in sized["large"]))]
+        line += [_times(composed["large"]), _times(composed["small"])]
+        line += [_times(_geomean(r.vs_torch for r in sized[c])) for c in FUSED_TARGETS]
+        line += (
+            [_times(_geomean(r.vs_peer for r in sized[c])) for c in FUSED_TARGETS] if peers else []
+        )
+        line += ["—" if not met else "yes" if all(met) else "no"]
+        body.append(tuple(line))
+    large, small = (f"{FUSED_TARGETS[c]:g}×" for c in ("large", "small"))
+    headers: tuple[str, ...] = (
+        "call", "dtype", "GB/s", f"× add+numba (≥ {large})", f"× add+numba (small, ≥ {small})",
+        "× torch", "× torch (small)",
+    )  # fmt: skip
+    headers += ("× best peer", "× best peer (small)") if peers else ()
+    headers += ("targets met",)
+    return Table(
+        f"{OP_TITLES.get(op, op)}: key ratios (geometric means)",
+        headers,
+        body,
+        f"{OP_NOTES.get(op, '')} Large inputs: x ≥ {LARGE_BYTES // 2**20} MiB; small: x < "
+        f"{SMALL_BYTES // 2**20} MiB. Speed-ups above 1 are faster than the reference; the "
+        f"issue's targets over the unfused pair on numba are {large} on large inputs (the "
+        f"memory-bound ceiling is about 1.25×) and {small} on small ones. The post-norm rows "
+        "write no `h`, so against a pair that does they are not held to the targets.",
+        frozenset(alerts),
+    )
+
+
 def detail_table(all_rows: Sequence[Row], op: str, dtype: str) -> Table:
     """Every backend call of ``op`` on ``dtype`` inputs, shape by shape."""
     textbook = _has_textbook(all_rows, op)
@@ -498,10 +596,12 @@ def detail_table(all_rows: Sequence[Row], op: str, dtype: str) -> Table:
             label = r.label + (" (default)" if r.default else "")
             line = [_shape(r.shape), label, _time(r.seconds), _gbps(r.gbps), _pct(r.of_copy)]
             line += [_times(r.vs_torch)] + ([_times(r.vs_textbook)] if textbook else [])
+            line += [_times(r.vs_composed)] if op in FUSED else []
             line += [_times(r.vs_peer)] if peers else []
             body.append(tuple(line))
     headers = ("shape", "call", "time", "GB/s", "% of copy", "× torch")
     headers += ("× textbook",) if textbook else ()
+    headers += ("× add+numba",) if op in FUSED else ()
     headers += ("× best peer",) if peers else ()
     note = (
         "(default): normlab's choice for this NumPy input when no backend is named."
@@ -635,7 +735,7 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     all_rows = rows(run)
     dtypes = list(dict.fromkeys(r.dtype for r in all_rows))
     measured = ops(all_rows)
-    tables = [summary_table(all_rows, op) for op in measured]
+    tables = [key_table(all_rows, op) for op in measured]
     tables += [auto_table(all_rows), dispatch_table(run), memory_table(run)]
     tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
@@ -833,6 +933,12 @@ def docs_page(
         "2, 4 … 1024 at hidden 768 and 1024, float32 and float16), drawn as time per call "
         "against rows beside normlab's default choice for NumPy input.",
         "",
+        "The fused residual-add ops (`add_layer_norm`, `add_rms_norm`) run on CPU torch tensors "
+        "and are judged against the unfused pair normlab would otherwise run, torch eager's add "
+        "then normlab's base op on numba, on the same tensors (`× add+numba`; the targets are "
+        f"{FUSED_TARGETS['large']:g}× on inputs of 8 MiB or more and {FUSED_TARGETS['small']:g}× "
+        "below 1 MiB), besides torch eager's pair and, in the full matrix, `torch.compile` of it.",
+        "",
         "## Runs",
         "",
         "| section | from |",
@@ -865,7 +971,7 @@ def docs_page(
         parts.append("")
     for op, i in chosen.items():
         all_rows = rows(runs[i][1])
-        table = summary_table(all_rows, op)
+        table = key_table(all_rows, op)
         parts += [f"## {OP_TITLES.get(op, op)}", "", f"From `{sources[i]}`.", ""]
         parts.append(to_markdown(table, 0))
         if images.get(op):

@@ -19,6 +19,14 @@ The full matrix adds the peers of the forwards (:data:`peers.PEERS`: ONNX Runtim
 through an io_binding, ``torch.compile``), built by ``peers.py`` and called here like the
 references.
 
+The fused ops (:data:`FUSED`: ``add_layer_norm``, ``add_rms_norm``) are timed on CPU torch
+tensors (views of the same NumPy inputs plus a ``residual``) by :func:`fused_call`: normlab's
+fused call with numba named (pre-norm ``(y, h)``, and the post-norm form ``y`` alone) and with
+no backend named; their references (:data:`FUSED_REFERENCES`) are the unfused pair on the same
+tensors: torch eager's add then ``normlab.layer_norm``/``rms_norm`` on numba (``add_numba``),
+and torch eager's add then ``F.layer_norm``/``F.rms_norm`` (``torch``); the full matrix adds
+``torch.compile`` of that torch pair.
+
 The backwards get ``dy`` and the statistics (``return_stats=True`` of the forward) from the
 :class:`Workload`; all ops read the same ``x``, ``weight`` and ``bias``.
 """
@@ -37,12 +45,15 @@ from normlab.testing.conversions import numpy_dtype
 
 __all__ = [
     "EPS",
+    "FUSED",
+    "FUSED_REFERENCES",
     "LIMITS",
     "OPS",
     "REFERENCES",
     "Workload",
     "backend_call",
     "completing",
+    "fused_call",
     "make_input",
     "make_params",
     "moved_bytes",
@@ -60,6 +71,12 @@ REFERENCES: Final = {
     "rms_norm_backward": ("torch",),
 }
 LIMITS: Final = ("copy", "copyto")
+#: The fused ops (residual add + norm) and the unfused pairs they are measured against.
+FUSED: Final = ("add_layer_norm", "add_rms_norm")
+FUSED_REFERENCES: Final = ("add_numba", "torch")
+#: A fused call's modes: ``alloc`` returns ``(y, h)`` (pre-norm), ``post`` returns ``y`` alone
+#: (``return_residual=False``, post-norm: ``h`` is never written).
+FUSED_MODES: Final = ("alloc", "post")
 #: Elements generated per random chunk: keeps the generator's temporaries small.
 _CHUNK_ELEMENTS: Final = 1 << 20
 
@@ -102,6 +119,11 @@ class Workload:
         self.weight, self.bias = make_params(shape[-1], dtype)
 
     @cached_property
+    def residual(self) -> np.ndarray:
+        """The residual stream the fused ops add to ``x``: standard normal, like ``x``."""
+        return make_input(self.shape, self.dtype, seed=3)
+
+    @cached_property
     def dy(self) -> np.ndarray:
         """The upstream gradient: standard normal, like ``x``."""
         return make_input(self.shape, self.dtype, seed=2)
@@ -121,17 +143,22 @@ class Workload:
         return np.asarray(rstd)
 
 
-def moved_bytes(op: str, data: Workload) -> int:
+def moved_bytes(op: str, data: Workload, mode: str = "alloc") -> int:
     """The bytes a call of ``op`` must move at least: the numerator of its GB/s.
 
-    Forwards: ``x`` read and ``y`` written. Backwards: ``x`` and ``dy`` read and ``dx``
-    written, plus the small per-row and per-column traffic: the statistics read (``mean`` and
-    ``rstd``, or ``rstd``), ``weight`` read and its gradients written (``dweight``, and
-    ``dbias`` for layer_norm). Scratch inside a kernel (partial sums) is not counted.
+    Forwards: ``x`` read and ``y`` written. Fused ops: ``x`` and ``residual`` read, ``h`` and
+    ``y`` written (``mode="post"``: no ``h``); the unfused pairs they are compared with count
+    the same bytes (they move more: ``h`` written and read again). Backwards: ``x`` and ``dy``
+    read and ``dx`` written, plus the small per-row and per-column traffic: the statistics
+    read (``mean`` and ``rstd``, or ``rstd``), ``weight`` read and its gradients written
+    (``dweight``, and ``dbias`` for layer_norm). Scratch inside a kernel (partial sums) is not
+    counted.
     """
     rows = data.x.size // data.shape[-1]
     if op in ("layer_norm", "rms_norm"):
         return 2 * data.x.nbytes
+    if op in FUSED:
+        return (3 if mode == "post" else 4) * data.x.nbytes
     stats = 2 if op == "layer_norm_backward" else 1
     stats_itemsize = 8 if data.dtype == "float64" else 4
     grads = 2 if op == "layer_norm_backward" else 1
@@ -187,6 +214,57 @@ def auto_call(op: str, subject: str, data: Workload) -> Call:
     if op == "layer_norm":
         return lambda: normlab.layer_norm(x, None, weight, bias, EPS)
     raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
+
+
+def fused_call(op: str, subject: str, mode: str, data: Workload) -> Call:
+    """A fused op's contender on CPU torch tensors viewing ``data`` (``x``, ``residual``,
+    ``weight`` and ``bias``, shared by every contender of the input).
+
+    ``subject``: a backend named (``"numba"``) or ``"auto-torch"`` (none named): normlab's
+    fused call, returning ``(y, h)``, or ``y`` alone when ``mode`` is ``"post"``. The
+    references (:data:`FUSED_REFERENCES`): ``"add_numba"``, torch eager's ``x + residual``
+    then normlab's base op on numba; ``"torch"``, the same add then ``F.layer_norm`` /
+    ``F.rms_norm`` (its weight in x's dtype, as for the rms_norm reference). Both return
+    ``(y, h)``.
+    """
+    import torch.nn.functional as F
+
+    x, residual = _torch_view(data.x), _torch_view(data.residual)
+    weight, bias = _torch_view(data.weight), _torch_view(data.bias)
+    shape = (data.shape[-1],)
+    layer = op == "add_layer_norm"
+    weight_x = weight.to(x.dtype)
+
+    # The pairs call their ops directly (no helper in between): no extra Python call is timed.
+    def torch_layer_norm() -> tuple[Any, Any]:
+        h = x + residual
+        return F.layer_norm(h, shape, weight, bias, EPS), h
+
+    def torch_rms_norm() -> tuple[Any, Any]:
+        h = x + residual
+        return F.rms_norm(h, shape, weight_x, EPS), h
+
+    def numba_layer_norm() -> tuple[Any, Any]:
+        h = x + residual
+        return normlab.layer_norm(h, None, weight, bias, EPS, backend="numba"), h
+
+    def numba_rms_norm() -> tuple[Any, Any]:
+        h = x + residual
+        return normlab.rms_norm(h, None, weight, EPS, backend="numba"), h
+
+    if subject == "torch":
+        return torch_layer_norm if layer else torch_rms_norm
+    if subject == "add_numba":
+        return numba_layer_norm if layer else numba_rms_norm
+    named = None if subject in AUTO else subject
+    keep = mode != "post"
+    if layer:
+        return lambda: normlab.add_layer_norm(
+            x, residual, None, weight, bias, EPS, backend=named, return_residual=keep
+        )
+    return lambda: normlab.add_rms_norm(
+        x, residual, None, weight, EPS, backend=named, return_residual=keep
+    )
 
 
 def completing(call: Call, sample: Any) -> Call:
@@ -263,11 +341,26 @@ def _torch_call(op: str, data: Workload) -> Call:
 def torch_forward(op: str, data: Workload) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """torch's forward of ``op`` as a function and its arguments (views of ``data``): the
     torch eager reference's call, for the ``torch_compile`` peer to compile (rms_norm's weight
-    in x's dtype, as there)."""
+    in x's dtype, as there); for a fused op, the unfused pair returning ``(y, h)``."""
     import torch.nn.functional as F
 
     shape = (data.shape[-1],)
     x, weight = _torch_view(data.x), _torch_view(data.weight)
+    if op == "add_layer_norm":
+
+        def add_layer_norm(x: Any, residual: Any, weight: Any, bias: Any) -> Any:
+            h = x + residual
+            return F.layer_norm(h, shape, weight, bias, EPS), h
+
+        residual, bias = _torch_view(data.residual), _torch_view(data.bias)
+        return add_layer_norm, (x, residual, weight, bias)
+    if op == "add_rms_norm":
+
+        def add_rms_norm(x: Any, residual: Any, weight: Any) -> Any:
+            h = x + residual
+            return F.rms_norm(h, shape, weight, EPS), h
+
+        return add_rms_norm, (x, _torch_view(data.residual), weight.to(x.dtype))
     if op == "layer_norm":
         bias = _torch_view(data.bias)
 

@@ -247,7 +247,9 @@ class NumpyInspector(Inspector):
 
 class TorchInspector(Inspector):
     def key(self, x: Any) -> tuple[Any, ...]:
-        return (x.dtype, x.shape, x.stride(), x.device, x.requires_grad)
+        # "cpu" for a CPU tensor's device: a torch.device hashes and compares slowly (per call)
+        device = "cpu" if x.is_cpu else x.device
+        return (x.dtype, x.shape, x.stride(), device, x.requires_grad)
 
     def info(self, x: Any) -> ArrayInfo:
         if getattr(x, "is_nested", False):

@@ -5,6 +5,10 @@
   ``torch.nn.RMSNorm`` (same constructor, parameters and ``state_dict`` keys) that compute with
   :func:`normlab.layer_norm` / :func:`normlab.rms_norm`, plus ``backend=``;
   :func:`replace_layer_norms` swaps them into a model, keeping its parameters.
+* :class:`AddLayerNorm` and :class:`AddRMSNorm`: the same constructors and ``state_dict``, with
+  ``forward(x, residual) -> (y, h)`` computed by :func:`normlab.add_layer_norm` /
+  :func:`normlab.add_rms_norm` (``h = x + residual``, ``y`` its norm): a pre-norm block's
+  residual add and norm in one call.
 * Importing this module also registers the custom ops ``normlab::layer_norm``,
   ``normlab::rms_norm`` and their ``*_backward`` (:mod:`normlab.torch_ops`), through which the
   core runs a backend that records no autograd graph (numba on CPU tensors, cupy on CUDA
@@ -27,7 +31,7 @@ from normlab import (
     torch_ops,  # noqa: F401  (registers the custom ops with torch)
 )
 
-__all__ = ["LayerNorm", "RMSNorm", "replace_layer_norms"]
+__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "replace_layer_norms"]
 
 Tensor = torch.Tensor
 
@@ -36,7 +40,7 @@ Tensor = torch.Tensor
 # Modules
 
 
-# The modules call normlab through these two functions, which torch.compile keeps as single
+# The modules call normlab through these functions, which torch.compile keeps as single
 # nodes (allow_in_graph): dynamo does not trace normlab's validation and dispatch, and
 # AOTAutograd runs them on fake tensors, which reach the custom ops above (or torch's own
 # ops). The route is fixed when a graph is compiled. ``eps`` may arrive as a symbolic float.
@@ -67,12 +71,40 @@ def _rms_norm_node(
     return y
 
 
+def _add_layer_norm_node(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    backend: str | None,
+) -> tuple[Tensor, Tensor]:
+    y, h = normlab.add_layer_norm(
+        x, residual, normalized_shape, weight, bias, float(eps), backend=backend
+    )
+    return y, h
+
+
+def _add_rms_norm_node(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: Tensor | None,
+    eps: float | None,
+    backend: str | None,
+) -> tuple[Tensor, Tensor]:
+    eps_value = None if eps is None else float(eps)
+    y, h = normlab.add_rms_norm(x, residual, normalized_shape, weight, eps_value, backend=backend)
+    return y, h
+
+
 @functools.cache
 def _allow_nodes_in_graph() -> None:
-    """Register the two nodes with dynamo: on the first module built, not at import (it imports
+    """Register the nodes with dynamo: on the first module built, not at import (it imports
     torch._dynamo, seconds that the backends' hooks into this module should not pay)."""
-    torch.compiler.allow_in_graph(_layer_norm_node)  # type: ignore[no-untyped-call]
-    torch.compiler.allow_in_graph(_rms_norm_node)  # type: ignore[no-untyped-call]
+    for node in (_layer_norm_node, _rms_norm_node, _add_layer_norm_node, _add_rms_norm_node):
+        torch.compiler.allow_in_graph(node)  # type: ignore[no-untyped-call]
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -132,6 +164,72 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return _rms_norm_node(x, self.normalized_shape, self.weight, self.eps, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend!r}"
+
+
+class AddLayerNorm(torch.nn.LayerNorm):
+    """A residual add and ``torch.nn.LayerNorm`` in one call of :func:`normlab.add_layer_norm`:
+    ``forward(x, residual)`` returns ``(y, h)``, ``h = x + residual`` (rounded to x's dtype as
+    the add) and ``y = layer_norm(h)``, both in the graph.
+
+    Constructor, parameters and ``state_dict`` keys as ``torch.nn.LayerNorm`` (its checkpoints
+    load), plus ``backend`` as for :class:`LayerNorm`.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        if backend is not None:
+            registry.get(backend)
+        self.backend = backend
+        _allow_nodes_in_graph()
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return _add_layer_norm_node(
+            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend!r}"
+
+
+class AddRMSNorm(torch.nn.RMSNorm):
+    """A residual add and ``torch.nn.RMSNorm`` in one call of :func:`normlab.add_rms_norm`:
+    ``forward(x, residual)`` returns ``(y, h)`` as :class:`AddLayerNorm` does (``eps=None``:
+    the machine epsilon of the input's dtype). Constructor, parameters and ``state_dict`` as
+    ``torch.nn.RMSNorm``, plus ``backend``."""
+
+    def __init__(
+        self,
+        normalized_shape: Any,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if backend is not None:
+            registry.get(backend)
+        self.backend = backend
+        _allow_nodes_in_graph()
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return _add_rms_norm_node(
+            x, residual, self.normalized_shape, self.weight, self.eps, self.backend
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, backend={self.backend!r}"

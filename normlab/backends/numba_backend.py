@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numba
@@ -87,7 +88,8 @@ numba_cache.adopt(half_bits, numba_forward, numba_backward, numba_fused)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
-#: milliseconds (measured on 2 cores; see docs/numba.md).
+#: milliseconds (measured on 2 cores; see docs/numba.md: at 32 x 768, 2^14.6 elements, two
+#: threads saved 5-10% on a lightly loaded machine and cost 100 times the call on a busy one).
 SERIAL_ELEMENTS: Final = 1 << 15
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
@@ -266,33 +268,31 @@ def _normalize(
     x: Any, weight: Any, bias: Any, plan: Plan, out: Any, centre: bool
 ) -> tuple[Any, Any, Any]:
     """Both ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
-    compute = np.float64 if plan.dtype == "float64" else np.float32
-    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
-    stand_in = SEGMENT if long else plan.cols  # the length of an absent weight or bias
+    k = _kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_grad(x, weight, bias, out)
         x_np = _tensor_as_numpy(x)
         out_np = None if out is None else _tensor_as_numpy(out)
-        w = _parameter(_tensor_parameter(weight, compute), compute, stand_in, 1.0)
-        b = _parameter(_tensor_parameter(bias, compute), compute, stand_in, 0.0)
+        weight = _tensor_parameter(weight, k.compute)
+        bias = _tensor_parameter(bias, k.compute)
     else:
         x_np, out_np = x, out
-        w = _parameter(weight, compute, stand_in, 1.0)
-        b = _parameter(bias, compute, stand_in, 0.0)
-    stats = np.float64 if plan.stats_dtype == "float64" else np.float32
-    none = _no_stats(stats)
-    mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
-    rstd = np.empty(plan.rows, stats) if plan.return_stats else none
+    w = k.ones if weight is None else _parameter(weight, k.compute)
+    b = k.zeros if bias is None else _parameter(bias, k.compute)
+    mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
+    rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     y_np = output_pool.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
-    y_bits = None if out_np is not None and _same_memory(x_np, y_np) else _as_bits(y_np, plan.dtype)
-    args = (_as_bits(x_np, plan.dtype), y_bits, w, b, plan.eps, mean, rstd, centre)
+    in_place = out_np is not None and _same_memory(x_np, y_np)
+    x_bits = x_np if k.bits is None else x_np.view(k.bits)
+    y_bits = None if in_place else y_np if k.bits is None else y_np.view(k.bits)
+    args = (x_bits, y_bits, w, b, plan.eps, mean, rstd, centre)
     # one short row runs on one thread: it does not take the pool from another caller
-    threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
+    threads = POOL.acquire(plan.rows * plan.cols if k.long or plan.rows > 1 else 0)
     try:
-        if long and threads > 1:
+        if k.long and threads > 1:
             _long_rows_parallel(args, threads)
-        elif long:
+        elif k.long:
             _long_rows(args)
         elif threads > 1:
             _rows_parallel(args, threads)
@@ -348,36 +348,32 @@ def _add_normalize(
     centre: bool,
 ) -> tuple[Any, Any, Any, Any]:
     """Both fused ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
-    compute = np.float64 if plan.dtype == "float64" else np.float32
-    long = plan.cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
-    stand_in = SEGMENT if long else plan.cols  # the length of an absent weight or bias
+    k = _kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
+    long = k.long
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_grad(x, residual, weight, bias, out, residual_out)
         x_np, r_np = _tensor_as_numpy(x), _tensor_as_numpy(residual)
         out_np = None if out is None else _tensor_as_numpy(out)
         h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out)
-        w = _parameter(_tensor_parameter(weight, compute), compute, stand_in, 1.0)
-        b = _parameter(_tensor_parameter(bias, compute), compute, stand_in, 0.0)
+        weight = _tensor_parameter(weight, k.compute)
+        bias = _tensor_parameter(bias, k.compute)
     else:
         x_np, r_np, out_np, h_out_np = x, residual, out, residual_out
-        w = _parameter(weight, compute, stand_in, 1.0)
-        b = _parameter(bias, compute, stand_in, 0.0)
-    stats = np.float64 if plan.stats_dtype == "float64" else np.float32
-    none = _no_stats(stats)
-    mean = np.empty(plan.rows, stats) if plan.return_stats and centre else none
-    rstd = np.empty(plan.rows, stats) if plan.return_stats else none
+    w = k.ones if weight is None else _parameter(weight, k.compute)
+    b = k.zeros if bias is None else _parameter(bias, k.compute)
+    mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
+    rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     shape = (plan.rows, plan.cols)
     y_np = output_pool.empty(shape, x_np.dtype) if out_np is None else out_np
     h_np = None
     if plan.return_residual:
         h_np = output_pool.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
-
-    def bits(a: np.ndarray) -> np.ndarray:
-        return _as_bits(a, plan.dtype)
-
-    x_bits, r_bits, y_bits = bits(x_np), bits(r_np), bits(y_np)
-    h_bits = None if h_np is None else bits(h_np)
+    if k.bits is None:
+        x_bits, r_bits, y_bits, h_bits = x_np, r_np, y_np, h_np
+    else:
+        x_bits, r_bits, y_bits = x_np.view(k.bits), r_np.view(k.bits), y_np.view(k.bits)
+        h_bits = None if h_np is None else h_np.view(k.bits)
     threads = POOL.acquire(plan.rows * plan.cols if long or plan.rows > 1 else 0)
     try:
         if long:
@@ -426,6 +422,40 @@ def _add_rows(args: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int) -> 
         add_rows(*args, 0, args[0].shape[0])
 
 
+@dataclass(frozen=True, slots=True)
+class _KernelTypes:
+    """What the forward kernels take for one (dtype, stats dtype, cols): the compute dtype, the
+    integer type of half bit patterns (None: x's own), the stand-ins of an absent weight and
+    bias, the empty statistics array, and whether rows take the segmented (long) form."""
+
+    compute: np.dtype[Any]
+    bits: type | None
+    stats: np.dtype[Any]
+    long: bool
+    ones: np.ndarray
+    zeros: np.ndarray
+    no_stats: np.ndarray
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_types(dtype: str, stats_dtype: str, cols: int) -> _KernelTypes:
+    """The :class:`_KernelTypes` of a call (cached: a repeated call reads one entry). The 16
+    entries keep at most 32 stand-ins alive besides :func:`_constant`'s: 32 MiB at most."""
+    compute: type = np.float64 if dtype == "float64" else np.float32
+    stats: type = np.float64 if stats_dtype == "float64" else np.float32
+    long = cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
+    stand_in = SEGMENT if long else cols  # the length of an absent weight or bias
+    return _KernelTypes(
+        compute=np.dtype(compute),
+        bits=_BITS.get(dtype),
+        stats=np.dtype(stats),
+        long=long,
+        ones=_constant(stand_in, compute, 1.0),
+        zeros=_constant(stand_in, compute, 0.0),
+        no_stats=_no_stats(stats),
+    )
+
+
 def to_numpy(a: np.ndarray) -> np.ndarray:
     """NumPy arrays are already NumPy."""
     return np.asarray(a)
@@ -454,11 +484,8 @@ def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(y.__array_interface__["data"][0] == data and y.strides == x.strides)
 
 
-def _parameter(p: Any, compute: type, stand_in: int, fill: float) -> np.ndarray:
-    """Weight or bias as a contiguous compute-dtype array; when absent, ``fill`` repeated
-    ``stand_in`` times (cached): ``cols``, or one segment for long rows."""
-    if p is None:
-        return _constant(stand_in, compute, fill)
+def _parameter(p: Any, compute: Any) -> np.ndarray:
+    """A weight or bias as a contiguous compute-dtype array (``p`` itself when it is one)."""
     if p.dtype == compute and p.flags.c_contiguous:
         return p  # type: ignore[no-any-return]
     return np.ascontiguousarray(p, dtype=compute)
@@ -511,7 +538,7 @@ def _backward(
     compute = np.float64 if plan.compute_dtype == "float64" else np.float32
     rows, cols = plan.rows, plan.cols
     chunks = -(-rows // ROW_CHUNK)
-    w = None if weight is None else _parameter(weight, compute, cols, 1.0)
+    w = None if weight is None else _parameter(weight, compute)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
     dx = output_pool.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
@@ -581,15 +608,17 @@ def _refuse_grad(*tensors: Any) -> None:
         )
 
 
-def _tensor_parameter(p: Any, compute: type) -> np.ndarray | None:
+def _tensor_parameter(p: Any, compute: Any) -> np.ndarray | None:
     """A weight or bias tensor as a compute-dtype NumPy array (``cols`` elements; a copy only
     when its dtype differs). Detaching is safe here: grad mode is off if ``p`` requires grad."""
     if p is None:
         return None
     import torch
 
-    wide = p.detach().to(torch.float64 if compute is np.float64 else torch.float32)
-    return np.asarray(wide.numpy())
+    target = torch.float64 if compute == np.float64 else torch.float32
+    if p.dtype == target and not p.requires_grad:
+        return p.numpy()  # type: ignore[no-any-return]
+    return np.asarray(p.detach().to(target).numpy())
 
 
 def _tensor_as_numpy(t: Any) -> np.ndarray:

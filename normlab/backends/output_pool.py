@@ -65,6 +65,10 @@ class OutputPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_BYTES or nbytes > self.capacity:
             return np.empty(shape, dtype)
+        return self._take(shape, dtype, nbytes)
+
+    def _take(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
+        """A pooled array of ``nbytes`` bytes (a released buffer of that size, else a new one)."""
         with self._lock:
             free = self._free.get(nbytes)
             buffer = free.pop() if free else None
@@ -122,6 +126,10 @@ POOL: Final = OutputPool(_capacity())
 os.register_at_fork(after_in_child=POOL._after_fork_in_child)
 
 
-def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An output array from :data:`POOL` (see the module docstring)."""
-    return POOL.empty(shape, dtype)
+def empty(shape: tuple[int, int], dtype: np.dtype[Any]) -> np.ndarray:
+    """A 2-D output array from :data:`POOL` (see the module docstring); cheap for small ones,
+    which are plain ``numpy.empty`` arrays."""
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    if nbytes < MIN_BYTES or nbytes > POOL.capacity:
+        return np.empty(shape, dtype)
+    return POOL._take(shape, dtype, nbytes)

@@ -26,6 +26,7 @@ device returns them in a half type (rstd with eps added in float64).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any, Final
@@ -60,6 +61,9 @@ _SCALE_LIMIT: Final = 1000
 #: The smallest normal number of each compute dtype: a variance below it has lost precision.
 _TINY: Final = {"float32": _FLOAT32_TINY, "float64": float(np.finfo(np.float64).tiny)}
 
+#: A CPU call of at most this many rows checks its ``rstd`` as Python floats, not by a torch
+#: reduction (:func:`_all_within`): the same test, cheaper for a few rows.
+FEW_ROWS: Final = 16
 #: Elements per block of rows in the CPU backward (whole chunks of ROW_CHUNK rows, at least
 #: one): each of its full-size temporaries holds about this many, never the whole batch.
 ROW_BLOCK_ELEMENTS = 1 << 18
@@ -200,23 +204,42 @@ def _add(x: torch.Tensor, residual: torch.Tensor, into: torch.Tensor | None) -> 
 def _checked(x: torch.Tensor) -> bool:
     """Whether the rows check runs: on CPU, outside ``torch.compile``/``torch.export`` tracing
     (whose graphs cannot branch on values)."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return x.is_cpu and not torch.compiler.is_compiling()
 
 
 def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | None:
     """A boolean mask of the rows whose results torch got wrong (see the module docstring), or
     None when there is none. Rows-sized: one min/max reduction of ``rstd`` when all is well."""
-    limit = math.inf
-    eps_lost = plan.compute_dtype == "float32" and plan.eps < _FLOAT32_TINY
-    if plan.eps > 0 and ((centre and plan.dtype in HALF_DTYPES) or eps_lost):
-        limit = 0.5 / math.sqrt(plan.eps)  # eps dominates the variance beyond this rstd
-    tiny = _TINY[plan.compute_dtype]
-    if plan.eps < tiny / MACHINE_EPS[plan.compute_dtype]:  # squares may underflow unseen
-        limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
-    low, high = torch.aminmax(rstd)
-    if low.item() > 0 and high.item() < limit:  # NaN fails both
+    limit = _rstd_limit(plan.dtype, plan.compute_dtype, plan.eps, centre)
+    if _all_within(rstd, limit):
         return None
     return ((rstd > 0) & (rstd < limit)).logical_not().reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _rstd_limit(dtype: str, compute_dtype: str, eps: float, centre: bool) -> float:
+    """The largest ``rstd`` of a row torch got right (a larger one is recomputed)."""
+    limit = math.inf
+    eps_lost = compute_dtype == "float32" and eps < _FLOAT32_TINY
+    if eps > 0 and ((centre and dtype in HALF_DTYPES) or eps_lost):
+        limit = 0.5 / math.sqrt(eps)  # eps dominates the variance beyond this rstd
+    tiny = _TINY[compute_dtype]
+    if eps < tiny / MACHINE_EPS[compute_dtype]:  # squares may underflow unseen
+        limit = min(limit, 1.0 / math.sqrt(tiny))  # a variance below the normal range
+    return limit
+
+
+def _all_within(rstd: torch.Tensor, limit: float) -> bool:
+    """Whether every element of the rows-sized ``rstd`` (1-D, or 2-D of one column) lies in
+    ``(0, limit)``; NaN does not. Up to :data:`FEW_ROWS` elements read as Python floats (a
+    fifth of the cost of a torch reduction on one row), more by one min/max reduction."""
+    if rstd.numel() <= FEW_ROWS and rstd.dim() <= 2:
+        values = rstd.tolist()
+        if rstd.dim() == 2:
+            values = [v for row in values for v in row]
+        return all(0 < v < limit for v in values)
+    low, high = torch.aminmax(rstd)
+    return bool(low.item() > 0 and high.item() < limit)  # NaN fails both
 
 
 def _indices(mask: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,18 @@ float64 reference (:mod:`normlab.reference`) within the tolerances of :mod:`.tol
 Test modules, one per area: ``test_numerics`` (random calls and the named numerical cases),
 ``test_rows`` (NaN/Inf confinement, batch independence), ``test_layouts`` (strides, ``out=``,
 in place, x untouched, empty inputs), ``test_results`` (result kinds, statistics, repeated
-calls), ``test_errors`` (every bad input raises its NormlabError subclass), ``test_backward``
+calls), ``test_errors`` (every bad input raises its NormlabError subclass), ``test_fused``
+(``normlab.add_layer_norm`` / ``add_rms_norm`` through the backend's own fused function where
+the record lists it, else the core's composition around its base op — the report says which:
+``h`` bitwise NumPy's ``x + residual``, ``y`` and the statistics of the base op's reference on
+that rounded ``h``, return forms, outputs, in-place forms, aliasing refusals), ``test_backward``
 (``normlab.layer_norm_backward`` / ``rms_norm_backward`` where the record lists
 ``"layer_norm_backward"`` / ``"rms_norm_backward"``, skipped with the reason otherwise: finite
 differences, the float64 oracle and torch.autograd, large offsets, bitwise repeatability
 across runs and thread counts, ``needs``, bad inputs). Cases live in :mod:`.cases` (backward
-ones in :mod:`.backward_cases`), dtypes, layouts and conversions of arrays in
-:mod:`.conversions`, bad inputs and their messages in :mod:`.bad_inputs`, hypothesis
-strategies and profiles in :mod:`.strategies`,
+ones in :mod:`.backward_cases`, fused ones in :mod:`.fused_cases`), dtypes, layouts and
+conversions of arrays in :mod:`.conversions`, bad inputs and their messages in
+:mod:`.bad_inputs`, hypothesis strategies and profiles in :mod:`.strategies`,
 tolerances in :mod:`.tolerances`, the backward's float64 oracles in
 :mod:`.backward_reference`, and what a backend claims in :mod:`.subject`.
 """

@@ -15,6 +15,7 @@ AREAS: Final = (
     "layouts",  # strides, x never modified, empty inputs
     "out/in place",  # out=, out= with statistics, out=x
     "errors",  # every bad input raises its NormlabError subclass
+    "fused",  # add_layer_norm, add_rms_norm: h bitwise, y of the rounded h, outputs, aliasing
     "backward",  # the backward ops
 )
 
@@ -49,6 +50,7 @@ _BY_MODULE: Final = {
     "test_boundaries": "rows",
     "test_layouts": "layouts",
     "test_errors": "errors",
+    "test_fused": "fused",
     "test_backward": "backward",
 }
 

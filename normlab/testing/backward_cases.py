@@ -153,9 +153,11 @@ class BackwardCase:
             grads[name] = np.asarray(b.to_numpy(got))
         return grads
 
-    def expected(self) -> backward_reference.Expected:
-        """The float64 oracle's gradients (every one, needed or not) and their scales."""
-        x, dy, weight = self.numpy_inputs()
+    def expected(self, x: np.ndarray | None = None) -> backward_reference.Expected:
+        """The float64 oracle's gradients (every one, needed or not) and their scales;
+        ``x``: the forward's input instead of the case's own (a fused case's rounded ``h``)."""
+        own_x, dy, weight = self.numpy_inputs()
+        x = own_x if x is None else x
         f = self.forward
         return backward_reference.gradients(f.op, x, dy, weight, f.eps, f.axes)
 
@@ -171,17 +173,23 @@ class BackwardCase:
         *,
         backend: str,
         against_autograd: bool = False,
+        x: np.ndarray | None = None,
+        repro: str | None = None,
     ) -> None:
-        """Assert gradients (NumPy, from :meth:`run`) match the oracles (see :meth:`check`)."""
-        want = self.expected()
+        """Assert gradients (NumPy, from :meth:`run`) match the oracles (see :meth:`check`);
+        ``x`` as for :meth:`expected`, ``repro`` the snippet shown on failure (default
+        :meth:`snippet`)."""
+        want = self.expected(x)
         references = {"the float64 reference": want.gradients}
         if against_autograd:
-            x, dy, weight = self.numpy_inputs()
+            own_x, dy, weight = self.numpy_inputs()
             f = self.forward
-            traced = backward_reference.autograd(f.op, x, dy, weight, f.eps, f.axes)
+            traced = backward_reference.autograd(
+                f.op, own_x if x is None else x, dy, weight, f.eps, f.axes
+            )
             if traced is not None:
                 references["torch.autograd (float64)"] = traced
-        repro = self.snippet(backend)
+        repro = self.snippet(backend) if repro is None else repro
         flushed = registry.get(backend).flushes_subnormals
         f = self.forward
         cond = want.conditioning

@@ -1,6 +1,6 @@
-"""The table of bad inputs: every misuse of ``layer_norm`` and ``rms_norm`` a caller can make in
-any array family, the :class:`~normlab.NormlabError` subclass it raises and a pattern its message
-must match.
+"""The table of bad inputs: every misuse of ``layer_norm`` and ``rms_norm`` (and of the fused
+ops' residual arguments) a caller can make in any array family, the
+:class:`~normlab.NormlabError` subclass it raises and a pattern its message must match.
 
 Each :class:`BadInput` builds its call's arguments from an :class:`Inputs` (the arrays of one
 backend's family: x is ``(2, 3, 4)`` ones of the family's test dtype unless the entry gives
@@ -130,6 +130,8 @@ class BadInput:
     def call(self, op: str, inputs: Inputs, backend: str | None) -> Any:
         """Make the call of ``op`` on ``backend`` (None: no ``backend=`` unless the entry's)."""
         kwargs: dict[str, Any] = {"x": inputs.array()}
+        if op in FUSED:
+            kwargs["residual"] = inputs.array()
         if backend is not None:
             kwargs["backend"] = backend
         kwargs.update(self.arguments(inputs))
@@ -148,6 +150,8 @@ class BadInput:
 
 LN: Final = frozenset({"layer_norm"})
 RMS: Final = frozenset({"rms_norm"})
+#: The fused ops: their calls get a residual like x unless the entry gives one.
+FUSED: Final = frozenset({"add_layer_norm", "add_rms_norm"})
 
 
 _BAD: Final = (
@@ -414,6 +418,84 @@ _BAD: Final = (
         lambda i: {"out": (None, i.array((2, 3), i.stats)), "return_stats": True},
         RMS,
     ),
+    # the fused ops' residual, residual_out and return_residual
+    BadInput(
+        "residual-shape",
+        ShapeError,
+        r"residual has shape \(2, 3, 5\); it must be \(2, 3, 4\)",
+        lambda i: {"residual": i.array((2, 3, 5))},
+        FUSED,
+    ),
+    BadInput(
+        "residual-broadcastable",
+        ShapeError,
+        r"residual has shape \(1, 3, 4\); it must be \(2, 3, 4\)",
+        lambda i: {"residual": i.array((1, 3, 4))},
+        FUSED,
+    ),
+    BadInput(
+        "residual-dtype",
+        DtypeError,
+        "residual has dtype {other}; it must be {dtype}",
+        lambda i: {"residual": i.array(X_SHAPE, i.other)},
+        FUSED,
+    ),
+    BadInput(
+        "residual-not-array",
+        ArgumentError,
+        "residual must be an array",
+        lambda i: {"residual": [[1.0] * 4] * 3},
+        FUSED,
+    ),
+    BadInput(
+        "residual-foreign",
+        DeviceError,
+        r"residual is a \S*ForeignArray but x is a",
+        lambda i: {"residual": ForeignArray(X_SHAPE)},
+        FUSED,
+    ),
+    BadInput(
+        "residual_out-post-norm",
+        ArgumentError,
+        "residual_out was given with return_residual=False",
+        lambda i: {"residual_out": i.array(), "return_residual": False},
+        FUSED,
+    ),
+    BadInput(
+        "residual_out-tuple",
+        ArgumentError,
+        "residual_out must be one array like x",
+        lambda i: {"residual_out": (i.array(),)},
+        FUSED,
+    ),
+    BadInput(
+        "residual_out-shape",
+        ShapeError,
+        r"residual_out has shape \(2, 3, 5\)",
+        lambda i: {"residual_out": i.array((2, 3, 5))},
+        FUSED,
+    ),
+    BadInput(
+        "residual_out-dtype",
+        DtypeError,
+        "residual_out has dtype {other}; it must be {dtype}",
+        lambda i: {"residual_out": i.array(X_SHAPE, i.other)},
+        FUSED,
+    ),
+    BadInput(
+        "residual_out-foreign",
+        DeviceError,
+        r"residual_out is a \S*ForeignArray but x is a",
+        lambda i: {"residual_out": ForeignArray(X_SHAPE)},
+        FUSED,
+    ),
+    BadInput(
+        "return_residual-not-bool",
+        ArgumentError,
+        "return_residual must be True or False, got 1",
+        lambda i: {"return_residual": 1},
+        FUSED,
+    ),
 )
 
 #: name -> bad input.
@@ -421,5 +503,6 @@ BAD_INPUTS: Final = {bad.name: bad for bad in _BAD}
 
 
 def bad_inputs_of(op: str) -> list[BadInput]:
-    """The table's entries for ``op`` (``"layer_norm"`` or ``"rms_norm"``)."""
+    """The table's entries for ``op`` (``"layer_norm"``, ``"rms_norm"``, ``"add_layer_norm"``,
+    ``"add_rms_norm"``)."""
     return [bad for bad in _BAD if op in bad.ops]

@@ -218,9 +218,15 @@ class Case:
             kwargs["bias"] = b.from_numpy(bias)
         return arrange(x, self.layout, b), kwargs
 
-    def expected(self) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        """The float64 reference ``(y, mean, rstd)``; ``mean`` is None for rms_norm."""
-        x, weight, bias = self.numpy_inputs()
+    def expected(
+        self, inputs: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """The float64 reference ``(y, mean, rstd)``; ``mean`` is None for rms_norm.
+
+        ``inputs``: NumPy ``(x, weight, bias)`` to normalize instead of the case's own (a fused
+        case's rounded ``h``), with the case's axes and eps.
+        """
+        x, weight, bias = self.numpy_inputs() if inputs is None else inputs
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             if self.op == "rms_norm":
                 y, rstd = reference.rms_norm(
@@ -280,13 +286,17 @@ class Case:
         *,
         backend: str,
         rows: np.ndarray | None = None,
+        inputs: tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None = None,
+        repro: str | None = None,
     ) -> None:
         """Assert results (NumPy) of this case on ``backend`` match the reference (see check).
-        The statistics are compared when ``rstd`` is given (and then ``mean`` for layer_norm)."""
-        want_y, want_mean, want_rstd = self.expected()
-        repro = self.snippet(backend)
+        The statistics are compared when ``rstd`` is given (and then ``mean`` for layer_norm).
+        ``inputs``: as for :meth:`expected`; ``repro``: the snippet shown on failure (default
+        :meth:`snippet`)."""
+        x, weight, bias = self.numpy_inputs() if inputs is None else inputs
+        want_y, want_mean, want_rstd = self.expected((x, weight, bias))
+        repro = self.snippet(backend) if repro is None else repro
         flushed = registry.get(backend).flushes_subnormals
-        x, weight, bias = self.numpy_inputs()
         cond = conditioning(want_mean, want_rstd)
         with np.errstate(invalid="ignore"):
             centred = reference.to_float64(x) - (0.0 if want_mean is None else want_mean)

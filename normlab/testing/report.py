@@ -7,10 +7,14 @@ The JSON file (``--normlab-json FILE``, ``normlab check NAME --json FILE``,
 
     {"schema": 1, "normlab": "<version>", "backend": NAME, "provided_by": "<source>",
      "profile": "ci" | "full",
+     "fused": {"add_layer_norm": "kernel" | "composed" | null, "add_rms_norm": ...},
      "results": [{"id": "test_layouts.py::test_out[NAME-...]", "area": "out/in place",
                   "outcome": "passed" | "failed" | "skipped" | "xfailed" | "xpassed" | "error",
                   "message": "<first line of the failure or skip reason, or null>",
                   "reproduce": "<runnable code, or null>"}, ...]}
+
+``fused`` says how the fused ops' tests reached the backend (:func:`.subject.fused_path`): its
+own kernel, the core's composition around its base op, or neither (their tests skipped).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Final
 
 import pytest
 
+from normlab.ops import FUSED_OPS, OPS
 from normlab.testing.areas import AREAS, area_of, rank_of
 
 __all__ = ["SCHEMA", "Report", "Result"]
@@ -31,6 +36,14 @@ __all__ = ["SCHEMA", "Report", "Result"]
 SCHEMA: Final = 1
 
 _REPRODUCE: Final = "Reproduce with:"
+
+#: fused_path's answer -> how the summary says it.
+_FUSED_PATHS: Final = {
+    "kernel": "was tested through {backend}'s own fused kernel",
+    "composed": "was tested through the core's composition ({backend}'s record lists {base}, "
+    "not {op}): x + residual with x's library, then {backend}'s {base}",
+    None: "was not tested: {backend} provides neither it nor {base}",
+}
 
 
 @dataclass
@@ -124,6 +137,10 @@ class Report:
                 write(f"{result.outcome.upper()} {result.id}: {result.message}", red=True)
                 if result.reproduce:
                     write("    " + result.reproduce.replace("\n", "\n    "))
+        if any(r.area == "fused" for r in self.results.values()):
+            for op, path in self.fused_paths().items():
+                how = _FUSED_PATHS[path].format(backend=self.backend, op=op, base=OPS[op].base)
+                write(f"normlab: {op} {how}")
         for area in AREAS:
             results = [r for r in self.results.values() if r.area == area]
             if results and all(r.outcome == "skipped" for r in results):
@@ -136,6 +153,12 @@ class Report:
             self.write_json(Path(self.json_path))
             write(f"normlab: results written to {self.json_path}")
 
+    def fused_paths(self) -> dict[str, str | None]:
+        """fused op -> how its tests reached the backend (:func:`.subject.fused_path`)."""
+        from normlab.testing.subject import fused_path
+
+        return {op: fused_path(self.backend, op) for op in FUSED_OPS}
+
     def write_json(self, path: Path) -> None:
         import normlab
         from normlab import registry
@@ -146,6 +169,7 @@ class Report:
             "backend": self.backend,
             "provided_by": registry.get(self.backend).provided_by,
             "profile": self.profile,
+            "fused": self.fused_paths(),
             "results": [asdict(r) for r in self.in_area_order()],
         }
         path.write_text(json.dumps(document, indent=1) + "\n")

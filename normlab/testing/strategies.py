@@ -1,4 +1,5 @@
-"""Hypothesis strategies for :class:`~normlab.testing.cases.Case`, and the two profiles.
+"""Hypothesis strategies for :class:`~normlab.testing.cases.Case` (and the backward and fused
+cases wrapping one), and the two profiles.
 
 A drawn case is plain data (shape, axes, dtypes, eps, values kind, seed, layout); the arrays
 are made from the seed, so examples are cheap to draw and to shrink, and a failure prints a
@@ -18,6 +19,7 @@ from normlab.backward import GRADIENTS
 from normlab.spec import HALF_DTYPES
 from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
 from normlab.testing.cases import LAYOUTS, Case
+from normlab.testing.fused_cases import FUSED_OPS, FusedCase
 
 __all__ = [
     "PROFILES",
@@ -28,12 +30,16 @@ __all__ = [
     "cases",
     "dims",
     "eps_values",
+    "fused_cases",
     "profile",
     "shapes",
 ]
 
 #: The kinds of values drawn at random (the named kinds have their own tests).
 RANDOM_VALUES: Final = ("normal", "offset", "rowwise", "tiny", "large", "integers")
+
+#: fused op -> its base op.
+BASE_OPS: Final = {fused: base for base, fused in FUSED_OPS.items()}
 
 #: Largest number of elements of a drawn x.
 MAX_ELEMENTS: Final = 6000
@@ -181,6 +187,28 @@ def backward_cases(
     subset = st.lists(st.sampled_from(names), unique=True, max_size=len(names)).map(tuple)
     needs = draw(st.one_of(st.none(), st.none(), subset))
     return BackwardCase(forward, needs)
+
+
+@st.composite
+def fused_cases(
+    draw: st.DrawFn,
+    dtypes: Sequence[str],
+    layouts: Sequence[str] = LAYOUTS,
+    op: str = "add_layer_norm",
+) -> FusedCase:
+    """A complete random call of the fused ``op``: a random call of its base op
+    (:func:`cases`) for x, a residual of random values and layout, and return_residual. eps is
+    0 only when no row of h is degenerate."""
+    base = draw(cases(dtypes, layouts, BASE_OPS[op]))
+    case = FusedCase(
+        base,
+        residual=draw(st.sampled_from(RANDOM_VALUES)),
+        residual_layout=draw(st.sampled_from(list(layouts))),
+        return_residual=draw(st.booleans()),
+    )
+    if base.eps == 0.0 and case.has_degenerate_row():
+        case = case.replace(base=base.replace(eps=1e-5))
+    return case
 
 
 def profile(name: str) -> settings:

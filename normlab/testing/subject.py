@@ -14,6 +14,7 @@ import pytest
 
 from normlab import arrays, dispatch, registry
 from normlab.constants import FLOAT_DTYPES
+from normlab.ops import OPS
 from normlab.testing.conversions import (
     LAYOUTS,
     Conversion,
@@ -23,7 +24,19 @@ from normlab.testing.conversions import (
     numpy_dtype,
 )
 
-__all__ = ["Subject"]
+__all__ = ["Subject", "fused_path"]
+
+
+def fused_path(name: str, op: str) -> str | None:
+    """How the suite's tests of the fused ``op`` (``"add_layer_norm"``, ``"add_rms_norm"``)
+    reach backend ``name``: ``"kernel"`` (its record lists the op: its own one-pass function),
+    ``"composed"`` (it lists only the base op: the core adds x + residual with x's library,
+    then runs its base op), or None (neither: the tests are skipped)."""
+    ops = registry.get(name).ops
+    if op in ops:
+        return "kernel"
+    base = OPS[op].base
+    return "composed" if base is not None and base in ops else None
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,8 @@ class Subject:
     layouts: dict[str, str | None]
     #: the record declares that its platform flushes subnormals to zero
     flushes_subnormals: bool = False
+    #: the family's arrays have memory normlab can address (strides): outputs can be written
+    addressable: bool = True
 
     @classmethod
     def of(cls, name: str) -> Subject:
@@ -63,15 +78,17 @@ class Subject:
         if not dtypes:
             pytest.skip(f"backend {name!r}: no float dtype it serves can be made ({unmakeable})")
         probe = np.arange(6.0).reshape(2, 3).astype(numpy_dtype(dtypes[-1]))
+        made = convert.from_numpy(probe)
         return cls(
             name=name,
-            family=arrays.family_of(convert.from_numpy(probe)),
+            family=arrays.family_of(made),
             dtypes=dtypes,
             unmakeable=unmakeable,
             capabilities=frozenset(backend.capabilities),
             ops=frozenset(backend.ops),
             layouts={layout: _layout_problem(probe, layout, convert) for layout in LAYOUTS},
             flushes_subnormals=backend.flushes_subnormals,
+            addressable=arrays.info(made).strides is not None,
         )
 
     @property
@@ -101,6 +118,26 @@ class Subject:
             pytest.skip(
                 f"backend {self.name!r} does not provide {op} (its record lists ops: "
                 f"{', '.join(sorted(self.ops))})"
+            )
+
+    def require_fused(self, op: str) -> str:
+        """Skip unless the fused ``op`` reaches the backend (its own kernel, or the core's
+        composition around its base op); returns :func:`fused_path`'s answer."""
+        path = fused_path(self.name, op)
+        if path is None:
+            pytest.skip(
+                f"backend {self.name!r} provides neither {op} nor {OPS[op].base} (its record "
+                f"lists ops: {', '.join(sorted(self.ops))})"
+            )
+        return path
+
+    def require_writable(self) -> None:
+        """Skip unless the family's arrays can be given as outputs (``out=``,
+        ``residual_out=``): they have addressable memory (JAX's and Dask's do not)."""
+        if not self.addressable:
+            pytest.skip(
+                f"{self.family} arrays have no addressable memory (immutable or lazy): they "
+                "cannot be passed as out= or residual_out="
             )
 
     def require_capability(self, capability: str, consequence: str) -> None:

@@ -1,5 +1,5 @@
 """Every bad input raises its NormlabError subclass, through the backend under test, for each
-op the backend provides."""
+op the backend provides (the fused ops where it provides them or their base op)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import normlab
 from normlab import ArgumentError, BackendError, DtypeError
 from normlab.constants import FLOAT_DTYPES
-from normlab.testing.bad_inputs import BAD_INPUTS, Inputs, bad_inputs_of
+from normlab.testing.bad_inputs import BAD_INPUTS, FUSED, Inputs, bad_inputs_of
 from normlab.testing.cases import OPS
 from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.subject import Subject
@@ -21,11 +21,18 @@ def _array(s: Subject, shape: tuple[int, ...] = (3, 4), dtype: str | None = None
     return s.from_numpy(np.ones(shape, numpy_dtype(dtype or s.dtype)))
 
 
-@pytest.mark.parametrize(("op", "bad"), [(op, bad.name) for op in OPS for bad in bad_inputs_of(op)])
+@pytest.mark.parametrize(
+    ("op", "bad"), [(op, bad.name) for op in (*OPS, *FUSED) for bad in bad_inputs_of(op)]
+)
 def test_bad_input(normlab_subject: Subject, op: str, bad: str) -> None:
     """Each bad argument (:data:`normlab.testing.bad_inputs.BAD_INPUTS`) raises the
-    NormlabError subclass that names the problem, with a message that says what is wrong."""
-    normlab_subject.require_op(op)
+    NormlabError subclass that names the problem, with a message that says what is wrong;
+    for the fused ops, a residual or residual_out unlike x, and residual_out with
+    return_residual=False."""
+    if op in FUSED:
+        normlab_subject.require_fused(op)
+    else:
+        normlab_subject.require_op(op)
     BAD_INPUTS[bad].check(op, Inputs(normlab_subject), normlab_subject.name)
 
 
