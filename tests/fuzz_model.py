@@ -1,12 +1,14 @@
 """The fuzzers' model of the public API: a call as plain data, and what the contract says of it.
 
 A drawn call is plain data (:class:`Forward` for ``layer_norm``/``rms_norm``, :class:`Backward`
-for their backward ops) from which the arrays are made (:meth:`Forward.build`); its repr reruns
-it. The model, written from the contract and not from the implementation, says which
-:class:`~normlab.NormlabError` subclasses the call may raise (:meth:`Forward.problems`,
-:meth:`Backward.problems`; empty: the call is valid) and what a valid call returns
-(:func:`check_forward_result`, :func:`check_backward_result`: kinds, ``out`` identity, values
-against the float64 reference within the conformance suite's tolerances). The hypothesis
+for their backward ops, :class:`Fused` for ``add_layer_norm``/``add_rms_norm``) from which the
+arrays are made (:meth:`Forward.build`); its repr reruns it. The model, written from the
+contract and not from the implementation, says which :class:`~normlab.NormlabError` subclasses
+the call may raise (:meth:`Forward.problems`, :meth:`Backward.problems`, :meth:`Fused.problems`;
+empty: the call is valid) and what a valid call returns (:func:`check_forward_result`,
+:func:`check_backward_result`, :func:`check_fused_result`: kinds, ``out`` identity, values
+against the float64 reference within the conformance suite's tolerances, a fused op's ``h``
+bitwise the unfused add). The hypothesis
 strategies that draw calls are in fuzz_strategies.py, the tests in test_fuzz_api.py.
 """
 
@@ -46,6 +48,17 @@ RANGE_EDGES: Final = {
 }
 
 
+#: Where a dtype's spacing becomes 2 (``2**(nmant + 1)``): values ``spaced`` are a few
+#: spacings above it, so that a residual below half a spacing rounds away in ``h`` (the fused
+#: ops' ``below_spacing`` residual, docs/fused.md "Why h is rounded first").
+SPACING_TWO_AT: Final = {
+    "float16": 2.0**11,
+    "bfloat16": 2.0**8,
+    "float32": 2.0**24,
+    "float64": 2.0**53,
+}
+
+
 def stats_dtype(dtype: str) -> str:
     """The statistics' dtype for x of ``dtype``."""
     return "float64" if dtype == "float64" else "float32"
@@ -62,6 +75,8 @@ def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator, dtype: 
         return rng.standard_normal(shape) * np.exp2(k)
     if kind == "offset":
         return 100.0 + 0.01 * rng.standard_normal(shape)
+    if kind == "spaced" and dtype in FLOATS:  # exact: C + 0, 2, 4 or 6 where the spacing is 2
+        return SPACING_TWO_AT[dtype] + 2.0 * rng.integers(0, 4, shape)
     if kind == "integers":
         return rng.integers(-3, 4, shape).astype(np.float64)
     if kind == "tiny":
@@ -85,7 +100,15 @@ def make(
 ) -> Any:
     """An array of ``family`` with these values, dtype and layout (a NumPy-only layout, say
     ``readonly``, gives a torch tensor in C order)."""
-    values = np.asarray(_values(shape, kind, rng, dtype))
+    return laid_out(family, dtype, _values(shape, kind, rng, dtype), layout, requires_grad)
+
+
+def laid_out(
+    family: str, dtype: str, values: Any, layout: str = "c", requires_grad: bool = False
+) -> Any:
+    """``values`` (float64) as an array of ``family``, ``dtype`` and ``layout`` (see
+    :func:`make`)."""
+    values = np.asarray(values)
     if dtype not in FLOATS:  # integers, bool, complex, object, datetime: from whole numbers
         values = np.asarray(np.rint(values).astype(np.int64))
     typed = values.astype(numpy_dtype(dtype))
@@ -175,21 +198,29 @@ def axes_problems(
     return axes, problems
 
 
+def companion_problems(
+    a: Any, x: Any, shape: tuple[int, ...] | None, dtypes: set[str]
+) -> set[type[Exception]]:
+    """Errors an input array ``a`` beside ``x`` (x is a float array) may raise: x's family, one
+    of ``dtypes``, ``shape`` (None: a shape that cannot be told, always wrong)."""
+    if not is_array(a):
+        return {normlab.ArgumentError}
+    if family_of(a) != family_of(x):
+        return {normlab.DeviceError}
+    problems: set[type[Exception]] = set()
+    if isinstance(a, np.ma.MaskedArray) or dtype_name(a) not in dtypes:
+        problems.add(normlab.DtypeError)
+    if shape is None or tuple(a.shape) != shape:
+        problems.add(normlab.ShapeError)
+    return problems
+
+
 def param_problems(p: Any, x: Any, norm_shape: tuple[int, ...] | None) -> set[type[Exception]]:
     """Errors a weight or bias ``p`` may raise for ``x`` (x is a float array)."""
     if p is None:
         return set()
-    if not is_array(p):
-        return {normlab.ArgumentError}
-    if family_of(p) != family_of(x):
-        return {normlab.DeviceError}
-    problems: set[type[Exception]] = set()
     allowed = {dtype_name(x)} | ({"float32"} if dtype_name(x) in HALF else set())
-    if isinstance(p, np.ma.MaskedArray) or dtype_name(p) not in allowed:
-        problems.add(normlab.DtypeError)
-    if norm_shape is None or tuple(p.shape) != norm_shape:
-        problems.add(normlab.ShapeError)
-    return problems
+    return companion_problems(p, x, norm_shape, allowed)
 
 
 def eps_problems(eps: Any, op: str) -> set[type[Exception]]:
@@ -450,8 +481,11 @@ class Forward:
         return found
 
 
-def check_forward_result(f: Forward, kwargs: dict[str, Any], result: Any, x64: np.ndarray) -> None:
-    """Kinds, ``out`` identity and values of a valid call's result (x64: x before the call)."""
+def check_forward_result(
+    f: Forward, kwargs: dict[str, Any], result: Any, x64: np.ndarray, repro: str | None = None
+) -> None:
+    """Kinds, ``out`` identity and values of a valid call's result (x64: x before the call;
+    ``repro``: what reruns the call, by default ``f``'s repr)."""
     x, out = kwargs["x"], kwargs.get("out")
     y, *stats = result if f.return_stats else (result,)
     assert len(stats) == (0 if not f.return_stats else 2 if f.op == "layer_norm" else 1)
@@ -499,7 +533,7 @@ def check_forward_result(f: Forward, kwargs: dict[str, Any], result: Any, x64: n
     scale = _param_abs(w, axes, f.shape, 1.0) * (1.0 + np.abs(z)) + _param_abs(
         b, axes, f.shape, 0.0
     )
-    repro = f"Rerun with: {f!r}"
+    repro = repro or f"Rerun with: {f!r}"
     assert_close(
         as_float64(y)[in_y],
         want_y[in_y],
@@ -539,6 +573,290 @@ def _param_abs(
     for a in axes:
         dims[a] = shape[a]
     return np.abs(p).reshape(dims)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused calls: add_layer_norm, add_rms_norm
+
+#: The (output, input) pairs that may be the very same elements: the fused ops' in-place forms
+#: (docs/fused.md). Any other overlap of an output with an input or another output is refused.
+IN_PLACE: Final = frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")})
+#: Partial overlaps a fused call can be built with, ``"a~b"``: ``a`` is one memory but its
+#: first row, ``b`` the same memory but its last (rows overlap when x has two or more).
+OVERLAPS: Final = (
+    "out~residual_out",
+    "out~residual",
+    "residual_out~x",
+    "residual_out~residual",
+    "residual~x",  # two inputs: allowed
+)
+
+
+def memory_view(a: Any) -> np.ndarray:
+    """A NumPy array over ``a``'s own memory (a torch tensor's too): addresses to compare."""
+    if isinstance(a, torch.Tensor):
+        t = a.detach()
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return np.asarray(a)
+
+
+def shares_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` have an element in common (exact; empty arrays share none)."""
+    return bool(np.shares_memory(memory_view(a), memory_view(b)))
+
+
+def same_elements(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same object or views of exactly the same elements."""
+    if a is b:
+        return True
+    va, vb = memory_view(a), memory_view(b)
+    where = va.__array_interface__["data"][0], vb.__array_interface__["data"][0]
+    return where[0] == where[1] and (va.shape, va.strides, va.itemsize) == (
+        vb.shape,
+        vb.strides,
+        vb.itemsize,
+    )
+
+
+def aliasing_problems(
+    x: Any, inputs: dict[str, Any], outputs: dict[str, Any]
+) -> set[type[Exception]]:
+    """The aliasing rule of the fused ops: no output shares memory with another output or with
+    an input, except the :data:`IN_PLACE` pairs when they are the very same elements. Arrays
+    not of x's family are left to the other rules (a DeviceError)."""
+
+    def given(arrays: dict[str, Any]) -> list[tuple[str, Any]]:
+        return [(n, a) for n, a in arrays.items() if is_array(a) and family_of(a) == family_of(x)]
+
+    given_in, given_out = given(inputs), given(outputs)
+    for i, (name, o) in enumerate(given_out):
+        for _, other in given_out[:i]:
+            if o is other or shares_memory(o, other):
+                return {normlab.ArgumentError}
+        for in_name, a in given_in:
+            if (name, in_name) in IN_PLACE and same_elements(o, a):
+                continue
+            if shares_memory(o, a):
+                return {normlab.ArgumentError}
+    return set()
+
+
+def named_outputs(out: Any, residual_out: Any) -> dict[str, Any]:
+    """A fused call's outputs by name: ``y`` (out, or its first entry), the statistics' entries
+    of an out tuple, ``h`` (residual_out)."""
+    entries = out if isinstance(out, tuple) else (out,)
+    named = {"y": entries[0] if entries else None}
+    named |= {f"stat{i}": o for i, o in enumerate(entries[1:])}
+    return named | {"h": residual_out}
+
+
+def unfused_add(x: Any, residual: Any) -> Any:
+    """``x + residual`` rounded to x's dtype as x's library rounds it (NumPy's float16 and
+    ml_dtypes' bfloat16: the float32 sum, rounded), computed from copies made now."""
+    if isinstance(x, torch.Tensor):
+        return torch.add(x.detach().clone(), residual.detach().clone())
+    dtype = numpy_dtype(dtype_name(x))
+    xs, rs = np.array(x, dtype=dtype), np.array(residual, dtype=dtype)  # native byte order
+    if dtype_name(x) in HALF:
+        return (xs.astype(np.float32) + rs.astype(np.float32)).astype(dtype)
+    return np.add(xs, rs)
+
+
+def bits(a: Any) -> np.ndarray:
+    """``a``'s elements as unsigned integers in native byte order: equal means bitwise equal."""
+    n = to_numpy(a)
+    n = np.ascontiguousarray(n.astype(n.dtype.newbyteorder("=")))
+    return n.view(f"u{n.dtype.itemsize}")
+
+
+@dataclass(frozen=True)
+class Fused:
+    """One call of ``add_layer_norm`` or ``add_rms_norm``: ``call`` holds the arguments the
+    fused op shares with its base op (``call.op``; drawn and judged as that op's), the other
+    fields the fused ones, all plain values."""
+
+    call: Forward
+    residual: str  # ok, x (x itself), x_view, requires_grad, wrong_shape, wrong_dtype,
+    #                other_family, list, masked
+    residual_layout: str
+    residual_values: str  # independent, cancel (-x plus a little), small (below x's spacing),
+    #                       below_spacing (below half the spacing of ``spaced`` x: h is x)
+    return_residual: Any
+    out: str | None  # None: call.out's form; else x, x_view, residual, residual_view
+    residual_out: str | None  # None, a layout (a fresh array), x, x_view, residual,
+    #                residual_view, out (the out array itself), wrong_shape, wrong_dtype,
+    #                other_family, masked, requires_grad, tuple, list, aliases_weight
+    overlap: str | None  # one of OVERLAPS
+    arrays: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def op(self) -> str:
+        return f"add_{self.call.op}"
+
+    def build(self) -> dict[str, Any]:
+        """The call's arguments (arrays made from the seed)."""
+        kwargs = self.call.build()
+        rng = np.random.default_rng([self.call.seed, 17])  # apart from the call's own stream
+        kwargs["residual"] = self._residual(kwargs["x"], rng)
+        if self.out is not None:
+            kwargs["out"] = self._like_x(self.out, kwargs, rng)
+        if self.residual_out is not None:
+            kwargs["residual_out"] = self._residual_out(kwargs, rng)
+        if self.overlap is not None:
+            self._overlap(kwargs, rng)
+        kwargs["return_residual"] = self.return_residual
+        return kwargs
+
+    def _x_like(self, rng: np.random.Generator, **change: Any) -> Any:
+        """A fresh array like x (``change``: family, dtype, shape, layout, requires_grad)."""
+        c = self.call
+        how = {"family": c.family, "dtype": c.dtype, "shape": c.shape, "layout": "c"} | change
+        grad = how.pop("requires_grad", False)
+        return make(how["family"], how["dtype"], how["shape"], rng, how["layout"], c.values, grad)
+
+    def _residual(self, x: Any, rng: np.random.Generator) -> Any:
+        c, kind = self.call, self.residual
+        if not is_array(x) or c.dtype not in FLOATS or kind == "x":
+            return x
+        if kind == "x_view":
+            return x[...]
+        if kind == "list":
+            return [0.0] * max(1, math.prod(c.shape))
+        if kind == "wrong_shape":
+            return self._x_like(rng, shape=(*c.shape, 2), layout=self.residual_layout)
+        if kind == "wrong_dtype":
+            others = [d for d in (*FLOATS, "int32") if d != c.dtype]
+            return self._x_like(rng, dtype=others[int(rng.integers(len(others)))])
+        if kind == "other_family":
+            return self._x_like(rng, family="torch" if c.family == "numpy" else "numpy")
+        x64 = as_float64(x)
+        if self.residual_values == "cancel":  # h small: its rounding is most of it
+            values = -x64 + 0.01 * rng.standard_normal(c.shape)
+        elif self.residual_values == "small":  # mostly below x's spacing: h rounds to x
+            values = np.abs(x64) * 1e-3 * rng.standard_normal(c.shape)
+        elif self.residual_values == "below_spacing":  # below half of spaced x's spacing (1)
+            values = rng.uniform(-0.9, 0.9, c.shape)
+        else:
+            values = _values(c.shape, c.values, rng, c.dtype)
+        r = laid_out(c.family, c.dtype, values, self.residual_layout, kind == "requires_grad")
+        return np.ma.masked_array(r, mask=np.zeros(r.shape, bool)) if kind == "masked" else r
+
+    def _like_x(self, form: str, kwargs: dict[str, Any], rng: np.random.Generator) -> Any:
+        """An x-like output of ``form``: x or the residual themselves or views of exactly their
+        elements, or a fresh array laid out as ``form`` says."""
+        if form in ("x", "residual"):
+            return kwargs[form]
+        if form in ("x_view", "residual_view"):
+            a = kwargs[form.removesuffix("_view")]
+            return a[...] if is_array(a) else a
+        return self._x_like(
+            rng, dtype=self.call.dtype if self.call.dtype in FLOATS else "float32", layout=form
+        )
+
+    def _residual_out(self, kwargs: dict[str, Any], rng: np.random.Generator) -> Any:
+        c, form = self.call, self.residual_out
+        dtype = c.dtype if c.dtype in FLOATS else "float32"
+        if form == "out":  # the out array itself (one made for both when out is None)
+            out = kwargs.get("out")
+            if isinstance(out, tuple) and is_array(out[0]):
+                return out[0]
+            if is_array(out):
+                return out
+            shared = self._x_like(rng, dtype=dtype)
+            kwargs["out"] = (shared, *out[1:]) if isinstance(out, tuple) else shared
+            return shared
+        if form == "tuple":
+            return (self._x_like(rng, dtype=dtype),)
+        if form == "list":
+            return [0.0]
+        if form == "wrong_shape":
+            return self._x_like(rng, dtype=dtype, shape=(*c.shape, 1))
+        if form == "wrong_dtype":
+            return self._x_like(rng, dtype="float64" if dtype != "float64" else "float32")
+        if form == "other_family":
+            return self._x_like(
+                rng, dtype=dtype, family="torch" if c.family == "numpy" else "numpy"
+            )
+        if form == "masked":
+            return np.ma.masked_array(self._x_like(rng, dtype=dtype))
+        if form == "requires_grad":
+            return self._x_like(rng, dtype=dtype, requires_grad=c.family == "torch")
+        if form == "aliases_weight":  # weight: the first elements of residual_out's memory
+            h = self._x_like(rng, dtype=dtype)
+            norm_shape = c.norm_shape()
+            if norm_shape is not None and c.dtype in FLOATS and math.prod(c.shape) > 0:
+                kwargs["weight"] = h.reshape(-1)[: math.prod(norm_shape)].reshape(norm_shape)
+            return h
+        return self._like_x(form, kwargs, rng)
+
+    def _overlap(self, kwargs: dict[str, Any], rng: np.random.Generator) -> None:
+        """Replace the two arguments ``overlap`` names by views of one memory, x's shape and
+        dtype: the first all of it but its last row, the second all but its first."""
+        c = self.call
+        if not c.shape or c.dtype not in FLOATS or not is_array(kwargs["x"]):
+            return
+        memory = self._x_like(rng, shape=(c.shape[0] + 1, *c.shape[1:]))
+        self.arrays["memory"] = memory
+        first, second = self.overlap.split("~")  # type: ignore[union-attr]
+        kwargs[first], kwargs[second] = memory[:-1], memory[1:]
+
+    def problems(self, kwargs: dict[str, Any]) -> set[type[Exception]]:
+        """Every error the model expects (empty: the call is valid): the base op's rules for
+        the shared arguments, then the fused ones."""
+        found: set[type[Exception]] = set()
+        return_residual, residual_out = kwargs["return_residual"], kwargs.get("residual_out")
+        if not isinstance(return_residual, bool) or isinstance(residual_out, (tuple, list)):
+            found.add(normlab.ArgumentError)
+        if residual_out is not None and return_residual is not True:
+            found.add(normlab.ArgumentError)  # the post-norm form never writes h
+        shared = {k: v for k, v in kwargs.items() if k not in _FUSED_ARGUMENTS}
+        found |= self.call.problems(shared)
+        x, c = kwargs["x"], self.call
+        if not is_array(x) or c.dtype not in FLOATS or not c.shape:
+            return found  # x is judged first
+        found |= companion_problems(kwargs["residual"], x, c.shape, {c.dtype})
+        out = kwargs.get("out")
+        if any(tracks_grad(kwargs.get(k)) for k in ("x", "residual", "weight", "bias")):
+            if out is not None or residual_out is not None:
+                found.add(normlab.ArgumentError)  # the results would be detached
+            found |= backend_problems(c.backend, c.op, x, True)
+        if residual_out is not None and not isinstance(residual_out, (tuple, list)):
+            found |= out_array_problems(residual_out, x, c.shape, c.dtype)
+        inputs = {k: kwargs.get(k) for k in ("x", "residual", "weight", "bias")}
+        return found | aliasing_problems(x, inputs, named_outputs(out, residual_out))
+
+
+#: The arguments of a fused op that its base op does not take.
+_FUSED_ARGUMENTS: Final = ("residual", "return_residual", "residual_out")
+
+
+def check_fused_result(fz: Fused, kwargs: dict[str, Any], result: Any, h_want: Any) -> None:
+    """A valid fused call's result: its form (docs/fused.md's table), ``h`` (``residual_out``
+    itself when given) bitwise ``h_want`` (the unfused add of the inputs before the call), and
+    ``y`` and the statistics those of the base op of ``h_want`` (:func:`check_forward_result`);
+    with an input that requires grad ``y`` does (``h`` with x or the residual), the statistics
+    never."""
+    c, x = fz.call, kwargs["x"]
+    repro = f"Rerun with: {fz!r}"
+    grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "residual", "weight", "bias"))
+    stats = (2 if c.op == "layer_norm" else 1) if c.return_stats else 0
+    if fz.return_residual:
+        assert isinstance(result, tuple) and len(result) == 2 + stats, "not the (y, h, ...) form"
+        y, h, *rest = result
+        base_result = (y, *rest) if c.return_stats else y
+        residual_out = kwargs.get("residual_out")
+        assert residual_out is None or h is residual_out, "h is not the residual_out array"
+        assert type(h) is type(x) and tuple(h.shape) == c.shape and dtype_name(h) == c.dtype
+        assert np.array_equal(bits(h), bits(h_want)), f"h is not the unfused add. {repro}"
+        h_grad = any(tracks_grad(kwargs.get(k)) for k in ("x", "residual"))
+        assert not h_grad or h.requires_grad, "h dropped the autograd graph"
+    else:
+        base_result = result
+    y, *stats = base_result if c.return_stats else (base_result,)
+    assert not grad or (is_array(y) and y.requires_grad), "y dropped the autograd graph"
+    assert not any(tracks_grad(s) for s in stats), "a statistic requires grad"
+    shared = {k: v for k, v in kwargs.items() if k not in _FUSED_ARGUMENTS} | {"x": h_want}
+    check_forward_result(c, shared, base_result, as_float64(h_want), repro)
 
 
 # --------------------------------------------------------------------------------------------
