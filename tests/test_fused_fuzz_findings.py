@@ -65,20 +65,18 @@ def test_rows_of_unrepresentable_mean_on_numba(dtype: str) -> None:
     _run(_spaced_row(dtype, "numba"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "torch's CPU layer_norm (torch 2.13), which the torch backend calls, finds variance 0 "
-        "for the row [2**24 + 6, 2**24 + 4] in float32 ([2**53 + 6, 2**53 + 4] in float64): "
-        "y = [632.46, 0] = 2 / sqrt(eps) against [1, -1], allowed 16 at conditioning 1.7e7. "
-        "The torch backend's rows-sized rstd check recomputes rows whose rstd is 0, inf or NaN, "
-        "or eps-dominated for half x only. Fix in normlab/backends/torch_backend.py: flag "
-        "float32/float64 rows whose rstd is about 1/sqrt(eps) too, and recompute them shifted "
-        "by one of their own elements (x - x[..., :1]: exact for rows within a factor of two "
-        "of it; LayerNorm is shift-invariant, the shift is added back to the mean; float64 "
-        "alone cannot hold the mean of the float64 row)"
-    ),
-)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_rows_of_unrepresentable_mean_on_torch(dtype: str) -> None:
+    """torch's CPU layer_norm (torch 2.13) finds variance 0 for these rows (y = [632.46, 0] =
+    2 / sqrt(eps)); the torch backend's row check now flags float32/float64 rows whose rstd is
+    eps-dominated and recomputes them in float64, shifted."""
     _run(_spaced_row(dtype, "torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_torch_backend_repairs_such_rows_in_layer_norm_itself(dtype: torch.dtype) -> None:
+    big = 2.0**24 if dtype == torch.float32 else 2.0**53
+    x = torch.tensor([[big + 6, big + 4], [1.0, 2.0]], dtype=dtype)
+    y = normlab.layer_norm(x, backend="torch")
+    torch.testing.assert_close(y[1], torch.nn.functional.layer_norm(x[1:], (2,))[0])
+    assert y[0].abs().max() < 2  # [1, -1] up to the row's conditioning; torch alone: 632

@@ -10,11 +10,14 @@ first divided by a power of two). Bad rows are those where
   1.8e19), or an ``eps`` that vanishes in float32 on a constant row (0 * inf = NaN);
 * with an eps too small to hide it, ``rstd`` beyond ``1/sqrt(tiny)`` (the variance is below
   the compute dtype's smallest normal number: squares that underflowed);
-* ``eps > 0`` dominates the variance (``rstd >= 0.5 / sqrt(eps)``) and either x is
-  float16/bfloat16 (torch's CPU kernel for half x is off by about ``|mean| * rstd * 2^-24``,
-  so a constant row misses ``bias``: -1.6e-5 at ``eps=1e-5`` on rows of 3.1, -0.125 at 1e-12,
-  -inf at 1e-30) or eps is below float32's normal range (1.2e-38; torch rounds it to a
-  float32 subnormal or to 0).
+* ``eps > 0`` dominates the variance (``rstd >= 0.5 / sqrt(eps)``) of a LayerNorm row, or of
+  an RMSNorm row whose eps is below float32's normal range (1.2e-38; torch rounds it to a
+  float32 subnormal or to 0). For half x torch's CPU kernel is off there by about
+  ``|mean| * rstd * 2^-24``, so a constant row misses ``bias`` (-1.6e-5 at ``eps=1e-5`` on rows
+  of 3.1, -0.125 at 1e-12, -inf at 1e-30); for float32/float64 x it finds variance 0 for rows
+  whose mean is not representable (``[2**24 + 6, 2**24 + 4]`` in float32: ``y = [632, 0]``
+  for ``[1, -1]``; found by the fuzzer). A row whose variance truly is that small (a constant
+  row) is recomputed too, with the same result.
 
 The check does not run on CUDA (reading the statistics back would make every call wait for
 the device) nor inside ``torch.compile``/``torch.export`` graphs (which cannot branch on
@@ -221,7 +224,7 @@ def _rstd_limit(dtype: str, compute_dtype: str, eps: float, centre: bool) -> flo
     """The largest ``rstd`` of a row torch got right (a larger one is recomputed)."""
     limit = math.inf
     eps_lost = compute_dtype == "float32" and eps < _FLOAT32_TINY
-    if eps > 0 and ((centre and dtype in HALF_DTYPES) or eps_lost):
+    if eps > 0 and (centre or eps_lost):
         limit = 0.5 / math.sqrt(eps)  # eps dominates the variance beyond this rstd
     tiny = _TINY[compute_dtype]
     if eps < tiny / MACHINE_EPS[compute_dtype]:  # squares may underflow unseen
