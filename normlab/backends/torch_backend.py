@@ -37,7 +37,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from normlab.constants import HALF_DTYPES, MACHINE_EPS, ROW_CHUNK
+from normlab.constants import MACHINE_EPS, ROW_CHUNK
 from normlab.hookspecs import Plan
 
 __all__ = [
