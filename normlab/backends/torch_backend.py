@@ -213,14 +213,14 @@ def _checked(x: torch.Tensor) -> bool:
 def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | None:
     """A boolean mask of the rows whose results torch got wrong (see the module docstring), or
     None when there is none. Rows-sized: one min/max reduction of ``rstd`` when all is well."""
-    limit = _rstd_limit(plan.dtype, plan.compute_dtype, plan.eps, centre)
+    limit = _rstd_limit(plan.compute_dtype, plan.eps, centre)
     if _all_within(rstd, limit):
         return None
     return ((rstd > 0) & (rstd < limit)).logical_not().reshape(-1)
 
 
 @functools.lru_cache(maxsize=64)
-def _rstd_limit(dtype: str, compute_dtype: str, eps: float, centre: bool) -> float:
+def _rstd_limit(compute_dtype: str, eps: float, centre: bool) -> float:
     """The largest ``rstd`` of a row torch got right (a larger one is recomputed)."""
     limit = math.inf
     eps_lost = compute_dtype == "float32" and eps < _FLOAT32_TINY
