@@ -139,6 +139,9 @@ def _build_session(onnx_name: str, dtype: str, shape: tuple[int, ...]) -> Any:
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = os.cpu_count() or 1  # all cores, like the torch peer
     options.log_severity_level = _ORT_ERRORS_ONLY
+    # ORT's idle intra-op threads spin by default, taking the cores from whichever contender
+    # the interleaved matrix times next (an out= call of numba's measured 4x slower after it)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return onnxruntime.InferenceSession(
         _model_bytes(onnx_name, dtype, shape), options, providers=["CPUExecutionProvider"]
     )
