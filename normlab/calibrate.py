@@ -2,8 +2,9 @@
 
 For every available backend, every family it serves (its own and its zero-copy families), every
 op it provides (the fused ``add_*`` ops with a residual, h returned) and every dtype: time calls
-on a few sizes of x, from one row to several MiB, and fit ``time = fixed_us + x_bytes /
-bytes_per_us`` by least squares. The table goes to the cache directory
+on a few sizes of x, from one row to tens of MiB, fit ``time = fixed_us + x_bytes /
+bytes_per_us`` by least squares and keep the timings themselves, which the estimates follow
+(:class:`normlab.hookspecs.CostModel`). The table goes to the cache directory
 (:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the records'
 shipped models. Timings are medians of batches of calls, so a busy moment shifts them less;
 calibrate on an idle machine all the same.
@@ -22,13 +23,15 @@ from typing import Any, Final
 
 from normlab import costs, dispatch, registry
 from normlab.constants import FLOAT_DTYPES
-from normlab.errors import ArgumentError
+from normlab.errors import ArgumentError, NormlabError
 from normlab.registry import Backend
 
 __all__ = ["SIZES", "Measurement", "calibrate", "fit"]
 
-#: Rows of x measured (of :data:`COLS` columns): one token to a few MiB.
-SIZES: Final = (1, 8, 64, 512, 4096, 16384)
+#: Rows of float32 x measured (of :data:`COLS` columns; other dtypes take the rows of the same
+#: bytes): one token to 48 MiB, densest where the rates change (caches; torch's fresh outputs
+#: page-faulting from 32 MiB).
+SIZES: Final = (1, 8, 64, 512, 2048, 8192, 16384)
 QUICK_SIZES: Final = (1, 64)
 COLS: Final = 768
 #: Seconds of calls per timed batch, and batches per size (the median is kept).
@@ -81,7 +84,7 @@ def calibrate(
         if not backend.available:
             progress(f"{backend.name}: skipped, unavailable: {backend.reason}")
             continue
-        for m in _measure(backend, dtypes, QUICK_SIZES if quick else SIZES):
+        for m in _measure(backend, dtypes, QUICK_SIZES if quick else SIZES, progress):
             measurements.append(m)
             progress(f"{m.backend} {m.op} {m.family} {m.dtype} {m.x_bytes} B: {m.us:.1f} µs")
     table = _table(measurements)
@@ -105,6 +108,10 @@ def _table(measurements: list[Measurement]) -> dict[str, Any]:
         backends.setdefault(name, {})[f"{op}:{family}"] = {
             "fixed_us": round(statistics.median(f for f, _ in fits.values()), 3),
             "bytes_per_us": {dtype: round(rate, 1) for dtype, (_, rate) in fits.items()},
+            "measured": {
+                dtype: [[size, round(us, 3)] for size, us in sorted(points)]
+                for dtype, points in by_dtype.items()
+            },
         }
     return {"machine": _machine(), "backends": backends}
 
@@ -118,7 +125,10 @@ def _machine() -> str:
 
 
 def _measure(
-    backend: Backend, dtypes: Sequence[str], sizes: Sequence[int]
+    backend: Backend,
+    dtypes: Sequence[str],
+    sizes: Sequence[int],
+    progress: Callable[[str], None],
 ) -> Iterator[Measurement]:
     import numpy as np
 
@@ -131,11 +141,18 @@ def _measure(
         if converter is None:
             continue
         for dtype in sorted(set(dtypes) & backend.dtypes):
+            try:  # a family may not hold every dtype its backend does (JAX without x64)
+                converter(np.zeros((1, COLS), numpy_dtype(dtype)))
+            except NormlabError as exc:
+                progress(f"{backend.name} on {family} {dtype}: skipped, {exc}")
+                continue
+            itemsize = np.dtype(numpy_dtype(dtype)).itemsize
             for op in sorted(backend.ops):
-                for rows in sizes:
+                for float32_rows in sizes:
+                    rows = max(1, float32_rows * 4 // itemsize)
                     x64 = rng.standard_normal((rows, COLS))
                     call = _call(op, converter, x64.astype(numpy_dtype(dtype)), backend.name)
-                    nbytes = rows * COLS * np.dtype(numpy_dtype(dtype)).itemsize
+                    nbytes = rows * COLS * itemsize
                     yield Measurement(backend.name, op, family, dtype, nbytes, _median_us(call))
 
 

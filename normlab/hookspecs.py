@@ -55,6 +55,7 @@ The rest of a Plan is the core's routing.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -215,24 +216,52 @@ class CostModel:
     """The time of one call on a backend: ``fixed_us + x_bytes / bytes_per_us[dtype]``
     microseconds, where ``x_bytes`` is the size of x (rows x cols x itemsize) and
     ``bytes_per_us`` the sustained rate per dtype name (a dtype not listed: no estimate).
-    Fitted from timings of the backend on this kind of machine (``normlab calibrate``)."""
+
+    ``measured`` (optional) holds, per dtype, the timings the model was fitted from, as
+    ``(x_bytes, us)`` pairs sorted by size. Where a dtype has them the estimate follows them
+    instead of the line: log-log interpolation between neighbours, the smallest call's time
+    below them, time proportional to size beyond them. A straight line cannot follow a
+    backend whose rate falls off past some size (torch page-faulting fresh outputs of 32 MiB
+    and more); the points can. Fitted from timings of the backend on this kind of machine
+    (``normlab calibrate``)."""
 
     fixed_us: float
     bytes_per_us: Mapping[str, float]
+    measured: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def estimate_us(self, x_bytes: float, dtype: str) -> float | None:
         """The estimated time of a call on ``x_bytes`` bytes of x, or None for another dtype."""
+        points = self.measured.get(dtype)
+        if points:
+            return _interpolated_us(points, x_bytes)
         rate = self.bytes_per_us.get(dtype)
         return None if rate is None else self.fixed_us + x_bytes / rate
 
 
+def _interpolated_us(points: tuple[tuple[float, float], ...], x_bytes: float) -> float:
+    """The time at ``x_bytes`` along measured ``(x_bytes, us)`` points sorted by size."""
+    first_bytes, first_us = points[0]
+    if x_bytes <= first_bytes:
+        return first_us
+    for (low_bytes, low_us), (high_bytes, high_us) in itertools.pairwise(points):
+        if x_bytes <= high_bytes:
+            along = math.log(x_bytes / low_bytes) / math.log(high_bytes / low_bytes)
+            return low_us * math.pow(high_us / low_us, along)
+    last_bytes, last_us = points[-1]
+    return last_us * x_bytes / last_bytes
+
+
 def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
     """Cost models from their JSON form, ``{"backends": {name: {op: {"fixed_us": f,
-    "bytes_per_us": {dtype: rate}}}}}`` → ``{name: {op: CostModel}}``; ValueError naming what is
-    malformed (every number finite and >= 0, every rate > 0)."""
+    "bytes_per_us": {dtype: rate}, "measured": {dtype: [[x_bytes, us], ...]}}}}}`` (measured
+    optional) → ``{name: {op: CostModel}}``; ValueError naming what is malformed (every number
+    finite and >= 0, every rate, size and time > 0, sizes increasing)."""
     try:
         table = {
-            name: {op: _cost_model(e["fixed_us"], e["bytes_per_us"]) for op, e in ops.items()}
+            name: {
+                op: _cost_model(e["fixed_us"], e["bytes_per_us"], e.get("measured", {}))
+                for op, e in ops.items()
+            }
             for name, ops in data["backends"].items()
         }
     except (KeyError, TypeError, AttributeError) as exc:
@@ -240,13 +269,33 @@ def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
     return table
 
 
-def _cost_model(fixed_us: Any, rates: Any) -> CostModel:
+def _cost_model(fixed_us: Any, rates: Any, measured: Any) -> CostModel:
     numbers = [fixed_us, *rates.values()]
-    if not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in numbers):
+    if not all(_finite(v) and v >= 0 for v in numbers):
         raise ValueError(f"costs must be finite numbers >= 0, got {fixed_us!r}, {rates!r}")
     if any(r == 0 for r in rates.values()):
         raise ValueError(f"a rate of 0 bytes per microsecond: {rates!r}")
-    return CostModel(float(fixed_us), {str(k): float(v) for k, v in rates.items()})
+    return CostModel(
+        float(fixed_us),
+        {str(k): float(v) for k, v in rates.items()},
+        {str(dtype): _measured_points(dtype, p) for dtype, p in measured.items()},
+    )
+
+
+def _measured_points(dtype: Any, points: Any) -> tuple[tuple[float, float], ...]:
+    pairs = tuple((float(size), float(us)) for size, us in points)
+    if not all(_finite(v) and v > 0 for pair in points for v in pair) or any(
+        a[0] >= b[0] for a, b in itertools.pairwise(pairs)
+    ):
+        raise ValueError(
+            f"measured {dtype}: (x_bytes, us) pairs of finite numbers > 0, sizes increasing, "
+            f"got {points!r}"
+        )
+    return pairs
+
+
+def _finite(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import json
+import types
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import numpy as np
+import plugins_for_tests
 import pytest
+from plugins_for_tests import FakeArray, record
 
+import normlab
 from normlab import calibrate, cli, costs, registry
 from normlab.hookspecs import cost_table
+
+
+def _fakelib_without_float64(a: np.ndarray, like: Any = None) -> FakeArray:
+    if a.dtype == np.float64:
+        raise normlab.DtypeError("fakelib holds no float64")
+    return FakeArray(a)
+
+
+#: A backend module whose family cannot hold float64 although the backend lists it (as JAX
+#: without x64 mode).
+NO_FLOAT64 = types.SimpleNamespace(
+    layer_norm=plugins_for_tests.layer_norm,
+    to_numpy=plugins_for_tests.to_numpy,
+    from_numpy=_fakelib_without_float64,
+)
 
 
 def test_fit_recovers_a_line() -> None:
@@ -39,5 +62,26 @@ def test_calibrate_writes_a_table_the_dispatcher_reads(
         model = costs.model(registry.get("numpy"), "layer_norm", "numpy")
         assert model == table["numpy"]["layer_norm:numpy"]
         assert model.bytes_per_us["float32"] > 0 and model.fixed_us >= 0
+        sizes = [768 * 4 * rows for rows in calibrate.QUICK_SIZES]
+        assert [size for size, _ in model.measured["float32"]] == sizes
+        assert all(us > 0 for _, us in model.measured["float32"])
     finally:
         costs.reload()
+
+
+def test_a_dtype_the_family_cannot_hold_is_skipped_and_said(
+    tmp_path: Path, register: Callable[..., ModuleType]
+) -> None:
+    register(record("nof64", module=f"{__name__}:NO_FLOAT64"))
+    said: list[str] = []
+    path, measurements = calibrate.calibrate(
+        ["nof64"],
+        ["float32", "float64"],
+        quick=True,
+        path=tmp_path / "c.json",
+        progress=said.append,
+    )
+    assert {m.dtype for m in measurements} == {"float32"}
+    assert "nof64 on fakelib float64: skipped, fakelib holds no float64" in said
+    model = cost_table(json.loads(path.read_text()))["nof64"]["layer_norm:fakelib"]
+    assert set(model.bytes_per_us) == set(model.measured) == {"float32"}

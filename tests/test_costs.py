@@ -29,6 +29,8 @@ pytestmark = pytest.mark.usefixtures("no_preference")
 #: below about 64 KiB of float32 x, wide above.
 QUICK = CostModel(fixed_us=2.0, bytes_per_us={"float32": 1000.0})
 WIDE = CostModel(fixed_us=20.0, bytes_per_us={"float32": 10000.0})
+#: A valid line in JSON form, for tables that differ from it in their measured points.
+LINE: dict[str, Any] = {"fixed_us": 1.0, "bytes_per_us": {"float32": 10.0}}
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +122,54 @@ def test_a_malformed_calibration_file_is_ignored_with_a_warning(
         assert _chosen(_fake(1)) == "quick"
 
 
+def test_measured_points_are_followed_between_and_beyond() -> None:
+    model = CostModel(
+        fixed_us=1.0,
+        bytes_per_us={"float32": 1000.0},
+        measured={"float32": ((1e3, 4.0), (1e5, 40.0), (1e6, 4000.0))},
+    )
+    assert model.estimate_us(10.0, "float32") == 4.0  # below: the smallest call's time
+    assert model.estimate_us(1e4, "float32") == pytest.approx(4.0 * 10**0.5)  # log-log
+    assert model.estimate_us(1e5, "float32") == pytest.approx(40.0)
+    assert model.estimate_us(1e6, "float32") == pytest.approx(4000.0)
+    assert model.estimate_us(4e6, "float32") == pytest.approx(16000.0)  # beyond: by size
+    assert model.estimate_us(1e4, "float16") is None
+    line_only = CostModel(1.0, {"float32": 1000.0, "float16": 500.0}, model.measured)
+    assert line_only.estimate_us(1e4, "float16") == pytest.approx(21.0)  # no points: the line
+
+
+def test_measured_points_catch_a_rate_that_falls_off(register: Register) -> None:
+    """A backend fast up to some size and slow past it (torch's fresh outputs page-faulting):
+    its line says it always wins, its points give the large calls to the other."""
+    cliff = CostModel(
+        fixed_us=2.0,
+        bytes_per_us={"float32": 20000.0},
+        measured={"float32": ((1024.0, 2.0), (2.0**20, 55.0), (2.0**24, 10000.0))},
+    )
+    register(_modelled("cliff", cliff, priority=1), _modelled("wide", WIDE, priority=2))
+    assert _chosen(_fake(1)) == "cliff"
+    assert _chosen(_fake(1024)) == "cliff"  # 1 MiB
+    assert _chosen(_fake(16384)) == "wide"  # 16 MiB: the line would say cliff (841 µs)
+    assert cliff.estimate_us(2.0**24, "float32") > 10 * WIDE.fixed_us + 2.0**24 / 20000.0
+
+
+def test_calibration_points_round_trip() -> None:
+    data = {
+        "backends": {
+            "b": {
+                "layer_norm": {
+                    "fixed_us": 1.0,
+                    "bytes_per_us": {"float32": 10.0},
+                    "measured": {"float32": [[100, 2.0], [1000, 20.0]]},
+                }
+            }
+        }
+    }
+    model = cost_table(data)["b"]["layer_norm"]
+    assert model.measured == {"float32": ((100.0, 2.0), (1000.0, 20.0))}
+    assert model.estimate_us(1000.0, "float32") == 20.0
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -128,6 +178,14 @@ def test_a_malformed_calibration_file_is_ignored_with_a_warning(
         {"backends": {"b": {"layer_norm": {"fixed_us": float("nan"), "bytes_per_us": {}}}}},
         {"backends": {"b": {"layer_norm": {"fixed_us": 1.0, "bytes_per_us": {"float32": 0}}}}},
         {"backends": {"b": {"layer_norm": {"fixed_us": "1", "bytes_per_us": {}}}}},
+        {
+            "backends": {
+                "b": {"layer_norm": {**LINE, "measured": {"float32": [[2, 1.0], [1, 2.0]]}}}
+            }
+        },
+        {"backends": {"b": {"layer_norm": {**LINE, "measured": {"float32": [[1, 0.0]]}}}}},
+        {"backends": {"b": {"layer_norm": {**LINE, "measured": {"float32": [[1, "2"]]}}}}},
+        {"backends": {"b": {"layer_norm": {**LINE, "measured": {"float32": [[1]]}}}}},
     ],
 )
 def test_cost_tables_are_checked(data: Any) -> None:

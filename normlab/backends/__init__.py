@@ -22,13 +22,10 @@ _FUSED_OPS: Final = frozenset({"add_layer_norm", "add_rms_norm"})
 
 
 def _shipped_costs() -> dict[str, dict[str, CostModel]]:
-    """The built-in backends' cost models: ``normlab calibrate`` on a 2-core x86-64 VM, idle
-    (``costs.json`` beside this module; a machine's own calibration replaces them). The fused
-    ops' models (``add_layer_norm``, ``add_rms_norm``) are not measured yet but derived from
-    their op's: its fixed cost times the fused call's measured ratio on one row (numba 1.5, on
-    tensors 1.3; numpy 1.7; torch 1.36) and its rate divided by the memory moved (numba: x,
-    residual, h and y against x and y, 2; torch: add then norm, 2.5) or, for the compute-bound
-    numpy backend, by the ratio measured on 4096 rows (1.6)."""
+    """The built-in backends' cost models: ``normlab calibrate --backends numpy numba torch``
+    on a 2-core x86-64 VM, idle, every op (the fused ones included), family and dtype, with the
+    timings the estimates follow (``costs.json`` beside this module; a machine's own
+    calibration replaces them)."""
     return cost_table(json.loads(Path(__file__).with_name("costs.json").read_text()))
 
 
