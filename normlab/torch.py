@@ -169,7 +169,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return f"{super().extra_repr()}, backend={self.backend!r}"
 
 
-class AddLayerNorm(torch.nn.LayerNorm):
+class AddLayerNorm(LayerNorm):
     """A residual add and ``torch.nn.LayerNorm`` in one call of :func:`normlab.add_layer_norm`:
     ``forward(x, residual)`` returns ``(y, h)``, ``h = x + residual`` (rounded to x's dtype as
     the add) and ``y = layer_norm(h)``, both in the graph.
@@ -178,61 +178,22 @@ class AddLayerNorm(torch.nn.LayerNorm):
     load), plus ``backend`` as for :class:`LayerNorm`.
     """
 
-    def __init__(
-        self,
-        normalized_shape: Any,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        bias: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        backend: str | None = None,
-    ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        if backend is not None:
-            registry.get(backend)
-        self.backend = backend
-        _allow_nodes_in_graph()
-
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         return _add_layer_norm_node(
             x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
         )
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, backend={self.backend!r}"
 
-
-class AddRMSNorm(torch.nn.RMSNorm):
+class AddRMSNorm(RMSNorm):
     """A residual add and ``torch.nn.RMSNorm`` in one call of :func:`normlab.add_rms_norm`:
     ``forward(x, residual)`` returns ``(y, h)`` as :class:`AddLayerNorm` does (``eps=None``:
     the machine epsilon of the input's dtype). Constructor, parameters and ``state_dict`` as
     ``torch.nn.RMSNorm``, plus ``backend``."""
 
-    def __init__(
-        self,
-        normalized_shape: Any,
-        eps: float | None = None,
-        elementwise_affine: bool = True,
-        device: Any = None,
-        dtype: Any = None,
-        *,
-        backend: str | None = None,
-    ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        if backend is not None:
-            registry.get(backend)
-        self.backend = backend
-        _allow_nodes_in_graph()
-
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         return _add_rms_norm_node(
             x, residual, self.normalized_shape, self.weight, self.eps, self.backend
         )
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, backend={self.backend!r}"
 
 
 def replace_layer_norms(model: torch.nn.Module, backend: str | None = None) -> torch.nn.Module:

@@ -70,18 +70,18 @@ def test_reused_memory_holds_no_stale_values(pool: OutputPool) -> None:
 
 def test_the_pool_holds_at_most_its_capacity(pool: OutputPool) -> None:
     pool.capacity = 3 * MIN_BYTES
-    arrays = [pool.empty((MIN_BYTES // 4,), np.float32) for _ in range(5)]
+    arrays = [pool.empty((MIN_BYTES // 4,), np.dtype(np.float32)) for _ in range(5)]
     del arrays
     assert pool.held_bytes == 3 * MIN_BYTES
     pool.capacity = 0
-    plain = pool.empty((MIN_BYTES,), np.uint8)
+    plain = pool.empty((MIN_BYTES,), np.dtype(np.uint8))
     assert plain.base is None  # off: numpy.empty itself
 
 
 def test_small_outputs_are_plain_arrays(pool: OutputPool) -> None:
-    small = pool.empty((MIN_BYTES // 8 - 1,), np.float64)
+    small = pool.empty((MIN_BYTES // 8 - 1,), np.dtype(np.float64))
     assert small.base is None and small.flags.c_contiguous
-    large = pool.empty((4, MIN_BYTES // 16), np.float32)
+    large = pool.empty((4, MIN_BYTES // 16), np.dtype(np.float32))
     assert large.shape == (4, MIN_BYTES // 16) and large.dtype == np.float32
     assert large.flags.c_contiguous and large.flags.writeable and large.flags.aligned
 

@@ -282,7 +282,7 @@ def _normalize(
     b = k.zeros if bias is None else _parameter(bias, k.compute)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
-    y_np = output_pool.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
+    y_np = output_pool.POOL.empty((plan.rows, plan.cols), x_np.dtype) if out_np is None else out_np
     in_place = out_np is not None and _same_memory(x_np, y_np)
     x_bits = x_np if k.bits is None else x_np.view(k.bits)
     y_bits = None if in_place else y_np if k.bits is None else y_np.view(k.bits)
@@ -365,10 +365,10 @@ def _add_normalize(
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     shape = (plan.rows, plan.cols)
-    y_np = output_pool.empty(shape, x_np.dtype) if out_np is None else out_np
+    y_np = output_pool.POOL.empty(shape, x_np.dtype) if out_np is None else out_np
     h_np = None
     if plan.return_residual:
-        h_np = output_pool.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
+        h_np = output_pool.POOL.empty(shape, x_np.dtype) if h_out_np is None else h_out_np
     if k.bits is None:
         x_bits, r_bits, y_bits, h_bits = x_np, r_np, y_np, h_np
     else:
@@ -540,7 +540,7 @@ def _backward(
     chunks = -(-rows // ROW_CHUNK)
     w = None if weight is None else _parameter(weight, compute)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
-    dx = output_pool.empty((rows, cols), x.dtype) if "x" in needs else None
+    dx = output_pool.POOL.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
     dw_parts = np.empty((chunks, cols), compute)
     db_parts = np.empty((chunks, cols), compute)

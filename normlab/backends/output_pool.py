@@ -1,14 +1,15 @@
 """Recycled memory for large outputs: a fresh ``numpy.empty`` of many MiB costs a page fault and
 the kernel's zeroing of every page on first touch — as much time as writing the result again.
 
-:func:`empty` hands out an array whose memory comes from a buffer the caller has already
-released, when one of the same size is free, else a new one. The array's base object
-(:class:`_Lease`) returns the buffer to the pool when it is deallocated, that is when the
-caller's result and every view of it are gone: memory is never handed out while anything can
-still read it through a result. Buffers are matched by exact size (a serving loop repeats its
-shapes) and the pool holds at most ``NORMLAB_OUTPUT_POOL_MIB`` MiB (default 256; 0 turns it
-off); a released buffer that does not fit is freed. Outputs below :data:`MIN_BYTES` come from
-``numpy.empty`` directly: the C allocator already reuses warm memory for those.
+``POOL.empty`` (:meth:`OutputPool.empty`) hands out an array whose memory comes from a buffer
+the caller has already released, when one of the same size is free, else a new one. The
+array's base object (:class:`_Lease`) returns the buffer to the pool when it is deallocated,
+that is when the caller's result and every view of it are gone: memory is never handed out
+while anything can still read it through a result. Buffers are matched by exact size (a
+serving loop repeats its shapes) and the pool holds at most ``NORMLAB_OUTPUT_POOL_MIB`` MiB
+(default 256; 0 turns it off); a released buffer that does not fit is freed. Outputs below
+:data:`MIN_BYTES` come from ``numpy.empty`` directly: the C allocator already reuses warm
+memory for those.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from normlab.errors import NormlabWarning
 
-__all__ = ["MIN_BYTES", "POOL", "OutputPool", "empty"]
+__all__ = ["MIN_BYTES", "POOL", "OutputPool"]
 
 #: Outputs smaller than this are plain ``numpy.empty`` arrays.
 MIN_BYTES: Final = 1 << 20
@@ -59,9 +60,9 @@ class OutputPool:
         self._held = 0
         self._lock = threading.Lock()
 
-    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """A C-contiguous array of ``shape`` and ``dtype``, uninitialized (as ``numpy.empty``)."""
-        dtype = np.dtype(dtype)
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype``, uninitialized (as ``numpy.empty``):
+        from the pool when it has room for its size, else (small ones too) plain."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_BYTES or nbytes > self.capacity:
             return np.empty(shape, dtype)
@@ -124,12 +125,3 @@ def _capacity() -> int:
 #: The pool of this process's large outputs.
 POOL: Final = OutputPool(_capacity())
 os.register_at_fork(after_in_child=POOL._after_fork_in_child)
-
-
-def empty(shape: tuple[int, int], dtype: np.dtype[Any]) -> np.ndarray:
-    """A 2-D output array from :data:`POOL` (see the module docstring); cheap for small ones,
-    which are plain ``numpy.empty`` arrays."""
-    nbytes = shape[0] * shape[1] * dtype.itemsize
-    if nbytes < MIN_BYTES or nbytes > POOL.capacity:
-        return np.empty(shape, dtype)
-    return POOL._take(shape, dtype, nbytes)
