@@ -272,8 +272,9 @@ def _normalize(
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_grad(x, weight, bias, out)
-        x_np = _tensor_as_numpy(x)
-        out_np = None if out is None else _tensor_as_numpy(out)
+        bfloat16 = plan.dtype == "bfloat16"
+        x_np = _tensor_as_numpy(x, bfloat16)
+        out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
         weight = _tensor_parameter(weight, k.compute)
         bias = _tensor_parameter(bias, k.compute)
     else:
@@ -353,9 +354,10 @@ def _add_normalize(
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_grad(x, residual, weight, bias, out, residual_out)
-        x_np, r_np = _tensor_as_numpy(x), _tensor_as_numpy(residual)
-        out_np = None if out is None else _tensor_as_numpy(out)
-        h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out)
+        bfloat16 = plan.dtype == "bfloat16"
+        x_np, r_np = _tensor_as_numpy(x, bfloat16), _tensor_as_numpy(residual, bfloat16)
+        out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
+        h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out, bfloat16)
         weight = _tensor_parameter(weight, k.compute)
         bias = _tensor_parameter(bias, k.compute)
     else:
@@ -574,8 +576,8 @@ def _tensors(
     _refuse_grad(dy, x, mean, rstd, weight)
     compute = np.float64 if plan.compute_dtype == "float64" else np.float32
     dx, dweight, dbias = _backward(
-        _tensor_as_numpy(dy),
-        _tensor_as_numpy(x),
+        _tensor_as_numpy(dy, plan.dtype == "bfloat16"),
+        _tensor_as_numpy(x, plan.dtype == "bfloat16"),
         None if mean is None else mean.numpy(),
         rstd.numpy(),
         _tensor_parameter(weight, compute),
@@ -596,10 +598,12 @@ def _tensors(
 def _refuse_grad(*tensors: Any) -> None:
     import torch
 
-    x = tensors[0]
-    needs_graph = x.requires_grad or (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[1:])
-    )
+    needs_graph = tensors[0].requires_grad
+    if not needs_graph and torch.is_grad_enabled():
+        for t in tensors[1:]:  # a loop: any() over a generator costs a third of a µs more
+            if t is not None and t.requires_grad:
+                needs_graph = True
+                break
     if needs_graph:
         raise BackendError(
             "the numba backend does not record autograd graphs, and a tensor of this call "
@@ -608,26 +612,34 @@ def _refuse_grad(*tensors: Any) -> None:
         )
 
 
+#: torch's dtype of each NumPy compute dtype, filled on the first tensor call (an import
+#: statement per call costs more than the lookup).
+_TORCH_COMPUTE: dict[type, Any] = {}
+
+
 def _tensor_parameter(p: Any, compute: Any) -> np.ndarray | None:
     """A weight or bias tensor as a compute-dtype NumPy array (``cols`` elements; a copy only
     when its dtype differs). Detaching is safe here: grad mode is off if ``p`` requires grad."""
     if p is None:
         return None
-    import torch
+    target = _TORCH_COMPUTE.get(compute)
+    if target is None:
+        import torch
 
-    target = torch.float64 if compute == np.float64 else torch.float32
-    if p.dtype == target and not p.requires_grad:
+        target = _TORCH_COMPUTE[compute] = torch.float64 if compute is np.float64 else torch.float32
+    if p.dtype is target and not p.requires_grad:
         return p.numpy()  # type: ignore[no-any-return]
     return np.asarray(p.detach().to(target).numpy())
 
 
-def _tensor_as_numpy(t: Any) -> np.ndarray:
-    """A NumPy view of a CPU tensor's memory, strides kept (bfloat16 as uint16 bit patterns)."""
-    import torch
+def _tensor_as_numpy(t: Any, bfloat16: bool) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory, strides kept; a ``bfloat16`` tensor (the plan's
+    dtype says which) as uint16 bit patterns."""
+    if bfloat16:
+        import torch
 
-    if t.dtype == torch.bfloat16:
         return np.asarray(t.view(torch.int16).numpy()).view(np.uint16)
-    return np.asarray(t.numpy())
+    return t.numpy()  # type: ignore[no-any-return]
 
 
 def _numpy_as_tensor(a: np.ndarray, dtype: str) -> Any:
