@@ -148,6 +148,27 @@ def test_constant_rows_give_bias_exactly(dtype: str) -> None:
     assert not y.astype(np.float64).any()
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_float64_tensor_parameters_stay_float64(op: str) -> None:
+    """A float64 tensor's weight and bias reach the kernel unrounded: bitwise the NumPy call
+    (a float32 weight would move y by about 1e-8)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    x, r = rng.standard_normal((3, 16)), rng.standard_normal((3, 16))
+    w, b = 1 + np.arange(16) * 1e-9, np.arange(16) * 1e-10
+    function = getattr(normlab, op)
+    lead_np = (x, r) if op == "add_layer_norm" else (x,)
+    lead_t = tuple(torch.from_numpy(a) for a in lead_np)
+    y_np = function(*lead_np, weight=w, bias=b, backend="numba")
+    y_t = function(*lead_t, weight=torch.from_numpy(w), bias=torch.from_numpy(b), backend="numba")
+    for got, want in zip(
+        y_t if isinstance(y_t, tuple) else (y_t,),
+        y_np if isinstance(y_np, tuple) else (y_np,),
+        strict=True,
+    ):
+        assert np.array_equal(got.numpy(), want)
+
+
 def test_large_offset_float32() -> None:
     x = _data((16, 1024), "float64", seed=3)
     x = (100 + 0.01 * x).astype(np.float32)

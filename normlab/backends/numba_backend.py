@@ -626,7 +626,7 @@ def _tensor_parameter(p: Any, compute: Any) -> np.ndarray | None:
     if target is None:
         import torch
 
-        target = _TORCH_COMPUTE[compute] = torch.float64 if compute is np.float64 else torch.float32
+        target = _TORCH_COMPUTE[compute] = torch.float64 if compute == np.float64 else torch.float32
     if p.dtype is target and not p.requires_grad:
         return p.numpy()  # type: ignore[no-any-return]
     return np.asarray(p.detach().to(target).numpy())
