@@ -1048,3 +1048,35 @@ def check_backward_result(b: Backward, kwargs: dict[str, Any], result: tuple[Any
                 scale=scale,
                 repro=repro,
             )
+
+
+#: A valid fused call (float16 torch rows, independent residual), for tests to vary.
+VALID_FUSED: Final = Fused(
+    call=Forward(
+        op="layer_norm",
+        family="torch",
+        dtype="float16",
+        shape=(3, 4),
+        layout="c",
+        values="normal",
+        normalized_shape=None,
+        axis=None,
+        weight=None,
+        bias=None,
+        eps="default",
+        return_stats=False,
+        out=None,
+        out_stats=(None, None),
+        backend=None,
+        preference=None,
+        requires_grad=False,
+        seed=0,
+    ),
+    residual="ok",
+    residual_layout="c",
+    residual_values="independent",
+    return_residual=True,
+    out=None,
+    residual_out=None,
+    overlap=None,
+)

@@ -8,11 +8,13 @@ conformance tolerances of the float64 reference of that ``h``). What stays open 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from fuzz_model import Forward, Fused, check_fused_result, unfused_add  # noqa: E402
+from fuzz_model import VALID_FUSED, Fused, check_fused_result, unfused_add  # noqa: E402
 
 import normlab  # noqa: E402
 
@@ -20,35 +22,15 @@ import normlab  # noqa: E402
 def _spaced_row(dtype: str, backend: str | None) -> Fused:
     """x = [C + 6, C + 4] where the dtype's spacing is 2 (C = 2**24 in float32, 2**53 in float64),
     a residual below half a spacing: h = x, a row whose mean is not representable."""
-    return Fused(
-        call=Forward(
-            op="layer_norm",
-            family="torch",
-            dtype=dtype,
-            shape=(2,),
-            layout="c",
-            values="spaced",
-            normalized_shape=(2,),
-            axis=None,
-            weight=None,
-            bias=None,
-            eps="default",
-            return_stats=False,
-            out=None,
-            out_stats=(None, None),
-            backend=backend,
-            preference=None,
-            requires_grad=False,
-            seed=0,
-        ),
-        residual="ok",
-        residual_layout="c",
-        residual_values="below_spacing",
-        return_residual=True,
-        out=None,
-        residual_out=None,
-        overlap=None,
+    call = dataclasses.replace(
+        VALID_FUSED.call,
+        dtype=dtype,
+        shape=(2,),
+        values="spaced",
+        normalized_shape=(2,),
+        backend=backend,
     )
+    return dataclasses.replace(VALID_FUSED, call=call, residual_values="below_spacing")
 
 
 def _run(fz: Fused) -> None:

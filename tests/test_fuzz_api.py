@@ -38,6 +38,7 @@ import normlab
 torch = pytest.importorskip("torch")
 
 from fuzz_model import (  # noqa: E402
+    VALID_FUSED,
     Backward,
     Forward,
     Fused,
@@ -99,14 +100,7 @@ def test_forward_calls_give_the_reference_or_a_normlab_error(
     try:
         result = _call(f, kwargs)
     except normlab.NormlabError as exc:
-        event(f"{f.op}: raised {type(exc).__name__}")
-        assert expected, f"a valid call raised {type(exc).__name__}: {exc}"
-        assert isinstance(exc, tuple(expected)), (
-            f"raised {type(exc).__name__} ({exc}); the model expects one of "
-            f"{sorted(e.__name__ for e in expected)}"
-        )
-        for name, saved in before.items():  # a refused call modifies nothing
-            assert unchanged(saved, arrays[name]), f"{name} was modified by a refused call"
+        _check_refusal(f.op, exc, expected, before, arrays)
         return
     assert x64 is not None, f"accepted a call the model rejects: {sorted(map(str, expected))}"
     event(f"{f.op}: returned, checked against the reference")
@@ -115,6 +109,24 @@ def test_forward_calls_give_the_reference_or_a_normlab_error(
     for name in ("x", "weight", "bias"):
         if name in before and not (name == "x" and in_place):
             assert unchanged(before[name], arrays[name]), f"{name} was modified"
+
+
+def _check_refusal(
+    op: str,
+    exc: normlab.NormlabError,
+    expected: set[type[Exception]],
+    before: dict[str, Any],
+    arrays: dict[str, Any],
+) -> None:
+    """A refused call: one of the errors the model expects, and nothing it was passed modified."""
+    event(f"{op}: raised {type(exc).__name__}")
+    assert expected, f"a valid call raised {type(exc).__name__}: {exc}"
+    assert isinstance(exc, tuple(expected)), (
+        f"raised {type(exc).__name__} ({exc}); the model expects one of "
+        f"{sorted(e.__name__ for e in expected)}"
+    )
+    for name, saved in before.items():
+        assert unchanged(saved, arrays[name]), f"{name} was modified by a refused call"
 
 
 @FUZZ
@@ -139,14 +151,7 @@ def test_fused_calls(fz: Fused, no_preference: None) -> None:
             with normlab.use_backend(fz.call.preference):
                 result = function(**kwargs)
     except normlab.NormlabError as exc:
-        event(f"{fz.op}: raised {type(exc).__name__}")
-        assert expected, f"a valid call raised {type(exc).__name__}: {exc}"
-        assert isinstance(exc, tuple(expected)), (
-            f"raised {type(exc).__name__} ({exc}); the model expects one of "
-            f"{sorted(e.__name__ for e in expected)}"
-        )
-        for name, saved in before.items():  # a refused call modifies nothing
-            assert unchanged(saved, arrays[name]), f"{name} was modified by a refused call"
+        _check_refusal(fz.op, exc, expected, before, arrays)
         return
     assert h_want is not None, f"accepted a call the model rejects: {sorted(map(str, expected))}"
     event(f"{fz.op}: returned, checked against the reference")
@@ -281,39 +286,8 @@ def test_the_model_of_fused_aliasing(case: str, refused: bool) -> None:
     assert _aliasing_case(case) == ({normlab.ArgumentError} if refused else set())
 
 
-_VALID_FUSED = Fused(
-    call=Forward(
-        op="layer_norm",
-        family="torch",
-        dtype="float16",
-        shape=(3, 4),
-        layout="c",
-        values="normal",
-        normalized_shape=None,
-        axis=None,
-        weight=None,
-        bias=None,
-        eps="default",
-        return_stats=False,
-        out=None,
-        out_stats=(None, None),
-        backend=None,
-        preference=None,
-        requires_grad=False,
-        seed=0,
-    ),
-    residual="ok",
-    residual_layout="c",
-    residual_values="independent",
-    return_residual=True,
-    out=None,
-    residual_out=None,
-    overlap=None,
-)
-
-
 def _seed(seed: int) -> Forward:
-    return dataclasses.replace(_VALID_FUSED.call, seed=seed)
+    return dataclasses.replace(VALID_FUSED.call, seed=seed)
 
 
 @pytest.mark.parametrize(
@@ -343,7 +317,7 @@ def _seed(seed: int) -> Forward:
 )
 def test_the_model_of_fused_calls(change: dict[str, Any], error: Any) -> None:
     """The model rejects what docs/fused.md rejects, and only that."""
-    fz = dataclasses.replace(_VALID_FUSED, **change)
+    fz = dataclasses.replace(VALID_FUSED, **change)
     if "call" in change:  # float32, a weight's dtype for float16 x, is not a residual's
         assert fz.build()["residual"].dtype == torch.float32
     assert fz.problems(fz.build()) == ({error} if error else set())
