@@ -283,15 +283,17 @@ def _cost_model(fixed_us: Any, rates: Any, measured: Any) -> CostModel:
 
 
 def _measured_points(dtype: Any, points: Any) -> tuple[tuple[float, float], ...]:
-    pairs = tuple((float(size), float(us)) for size, us in points)
-    if not all(_finite(v) and v > 0 for pair in points for v in pair) or any(
+    """``points`` as ``(x_bytes, us)`` float pairs; ValueError unless each is two finite numbers
+    > 0 and the sizes increase."""
+    pairs = tuple(tuple(pair) for pair in points)
+    if not all(len(pair) == 2 and all(_finite(v) and v > 0 for v in pair) for pair in pairs) or any(
         a[0] >= b[0] for a, b in itertools.pairwise(pairs)
     ):
         raise ValueError(
             f"measured {dtype}: (x_bytes, us) pairs of finite numbers > 0, sizes increasing, "
             f"got {points!r}"
         )
-    return pairs
+    return tuple((float(size), float(us)) for size, us in pairs)
 
 
 def _finite(v: Any) -> bool:

@@ -193,6 +193,12 @@ def test_cost_tables_are_checked(data: Any) -> None:
         cost_table(data)
 
 
+def test_malformed_measured_points_are_named() -> None:
+    data = {"backends": {"b": {"layer_norm": {**LINE, "measured": {"float32": [[1]]}}}}}
+    with pytest.raises(ValueError, match=r"measured float32: \(x_bytes, us\) pairs"):
+        cost_table(data)
+
+
 def test_zero_copy_families_are_eligible_by_default_explicit_ones_only_when_named(
     register: Register,
 ) -> None:
