@@ -12,7 +12,9 @@ numba's threads; compiled only where numba has more than one thread), forward is
 ``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels), backward
 ``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels) and fused
 the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
-kernels), with h returned and without (two kernels). Rows longer
+kernels), with h returned and without (two kernels). Where torch is installed, the contiguous
+serial forward and fused calls are also made on CPU tensors (the numba backend's address
+entries, which small tensors run). Rows longer
 than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` and calls with ``out=`` use other
 kernels and are not warmed.
 """
@@ -116,7 +118,7 @@ def warmup(
         raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
     import numba
 
-    from normlab.backends import numba_backward, numba_forward, numba_fused
+    from normlab.backends import numba_addressed, numba_backward, numba_forward, numba_fused
 
     skipped = []
     if "bfloat16" in dtypes and _bfloat16() is None:
@@ -125,7 +127,7 @@ def warmup(
     calls = warmup_calls(dtypes, ops, parallel=numba.get_num_threads() > 1)
     if numba.get_num_threads() == 1:
         skipped.append("parallel kernels (numba has one thread here)")
-    entries = _entry_points(numba_forward, numba_backward, numba_fused)
+    entries = _entry_points(numba_forward, numba_backward, numba_fused, numba_addressed)
     before = _cache_counts(entries)
     start = time.perf_counter()
     with notices.compile_notices_silenced():
@@ -174,6 +176,8 @@ def _entry_points(*modules: Any) -> list[Any]:
         "layer_norm_rows_parallel",
         "add_norm_rows",
         "add_norm_rows_parallel",
+        "layer_norm_rows_at",
+        "add_norm_rows_at",
         "backward_chunks",
         "backward_chunks_parallel",
         "sum_chunks",
@@ -212,12 +216,37 @@ def _run(call: WarmupCall) -> None:
     if call.direction == "fused":
         residual = base[::-1].astype(dtype)[:, ::cols_stride]
         _run_fused(x, residual, weight, bias)
+    else:
+        y, mean, rstd = normlab.layer_norm(
+            x, weight=weight, bias=bias, return_stats=True, backend="numba"
+        )
+        if call.direction == "backward":
+            normlab.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
+    if call.direction != "backward" and not call.strided and not call.parallel:
+        _run_tensors(x, weight, bias, call.direction == "fused")
+
+
+def _run_tensors(x: Any, weight: Any, bias: Any, fused: bool) -> None:
+    """Where torch is installed: the same call on CPU tensors, which small contiguous inputs
+    run through the numba backend's address entries (:mod:`normlab.backends.numba_addressed`)."""
+    import numpy as np
+
+    import normlab
+
+    try:
+        import torch
+    except ImportError:
         return
-    y, mean, rstd = normlab.layer_norm(
-        x, weight=weight, bias=bias, return_stats=True, backend="numba"
-    )
-    if call.direction == "backward":
-        normlab.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
+    if x.dtype.itemsize == 2 and x.dtype != np.float16:  # bfloat16: its bits, viewed
+        t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(x)
+    w, b = torch.from_numpy(weight), torch.from_numpy(bias)
+    if not fused:
+        normlab.layer_norm(t, weight=w, bias=b, backend="numba")
+        return
+    for keep_h in (True, False):
+        normlab.add_layer_norm(t, t, weight=w, bias=b, return_residual=keep_h, backend="numba")
 
 
 def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:

@@ -124,6 +124,40 @@ def test_fused_kernels_are_compiled_with_bounds_checks(tmp_path: Path) -> None:
     assert result == {"outcome": "IndexError: index is out of bounds"}
 
 
+def test_address_entries_are_compiled_with_bounds_checks(tmp_path: Path) -> None:
+    """Asked for one row too many, the entries that take small tensors by address raise instead
+    of reading past the memory they view."""
+    code = """
+    import json, numpy as np
+    from normlab.backends.numba_addressed import add_norm_rows_at, layer_norm_rows_at
+    x, r, y, h = (np.ones((3, 4), np.float32) for _ in range(4))
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    stats = np.empty(0, np.float32)
+    at = lambda a: a.ctypes.data
+    def by_address(stop, fused):
+        if fused:
+            add_norm_rows_at(
+                x, w, x, at(x), at(r), at(y), at(h), at(w), at(b), 3, 4, 1e-5, stats, stats,
+                True, 0, stop,
+            )
+        else:
+            layer_norm_rows_at(
+                x, w, at(x), at(y), at(w), at(b), 3, 4, 1e-5, stats, stats, True, 0, stop
+            )
+    outcomes = []
+    for fused in (False, True):
+        by_address(3, fused)  # in bounds: fine
+        try:
+            by_address(4, fused)
+            outcomes.append("no error")
+        except IndexError as exc:
+            outcomes.append(f"IndexError: {exc}")
+    print(json.dumps({"outcomes": outcomes}))
+    """
+    result = run_child(code, tmp_path / "cache", boundscheck="1")
+    assert result == {"outcomes": ["IndexError: index is out of bounds"] * 2}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not SLOW, reason="a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
 def test_fused_kernel_tests_with_bounds_checks(tmp_path: Path) -> None:
@@ -147,28 +181,40 @@ def test_fused_kernel_tests_with_bounds_checks(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not SLOW, reason="half a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
 def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
-    """The conformance suite on numba, every kernel compiled afresh with bounds checks."""
+    """The conformance suite on numba, every kernel compiled afresh with bounds checks: on NumPy
+    arrays, then on CPU torch tensors (small contiguous ones through the address entries)."""
     code = PROBE + textwrap.dedent(
         """
         assert outcome.startswith("IndexError"), "bounds checks are not in force"
         import normlab.testing
-        exit_code = normlab.testing.check("numba", extra_pytest_args=["-q", "--tb=short"])
+        args = ["-q", "--tb=short"]
+        exit_code = normlab.testing.check("numba", extra_pytest_args=args)
+        torch_exit_code = normlab.testing.check("numba", arrays="torch", extra_pytest_args=args)
         from numba.core.dispatcher import Dispatcher
-        from normlab.backends import half_bits, numba_backward, numba_forward, numba_fused
+        from normlab.backends import (
+            half_bits, numba_addressed, numba_backward, numba_forward, numba_fused
+        )
         kernels = [
             k
-            for m in (half_bits, numba_forward, numba_backward, numba_fused)
+            for m in (half_bits, numba_forward, numba_backward, numba_fused, numba_addressed)
             for k in vars(m).values()
             if isinstance(k, Dispatcher)
         ]
         print(json.dumps({
             "exit_code": exit_code,
+            "torch_exit_code": torch_exit_code,
+            "addressed": sum(
+                len(k.signatures)
+                for k in (numba_addressed.layer_norm_rows_at, numba_addressed.add_norm_rows_at)
+            ),
             "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
             "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
         }))
         """
     )
     result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
-    assert result["exit_code"] == 0
+    assert result["exit_code"] == 0 and result["torch_exit_code"] == 0, result
+    # both address entries for every dtype (the fused one with h and without) ran checked
+    assert result["addressed"] == 12, result
     # every kernel the suite ran was compiled here, with bounds checks, none loaded from a cache
     assert result["compiled"] > 0 and result["loaded"] == 0, result

@@ -7,7 +7,8 @@ A first subprocess fills the cache (or finds it warm); a second loads the kernel
 checks, and asserts that the parallel drivers were indeed loaded from the cache (numba's
 dispatcher statistics), so that the test cannot pass by compiling afresh. Without
 :func:`normlab.backends.numba_backend.load_serial_first` the second process's parallel drivers
-run their own copies of the serial kernels and rows differ by 1 ulp."""
+run their own copies of the serial kernels and rows differ by 1 ulp; so would small tensors'
+rows, which the address entries (:mod:`normlab.backends.numba_addressed`) normalize."""
 
 from __future__ import annotations
 
@@ -35,6 +36,17 @@ CHILD = textwrap.dedent(
     x = rng.standard_normal((64, 1024)).astype(np.float32)
     w = rng.standard_normal(1024).astype(np.float32)
     dy = rng.standard_normal((64, 1024)).astype(np.float32)
+    r = rng.standard_normal((8, 1024)).astype(np.float32)
+
+    # first of all, small tensors (the address entries): no NumPy call has loaded the kernels
+    try:
+        import torch
+    except ImportError:
+        tensor_y = tensor_fused = None
+    else:
+        tx, tw = torch.from_numpy(x[:8]), torch.from_numpy(w)
+        tensor_y = normlab.layer_norm(tx, weight=tw, backend="numba")
+        tensor_fused = normlab.add_layer_norm(tx, torch.from_numpy(r), weight=tw, backend="numba")
 
     def run(threads):
         numba.set_num_threads(threads)
@@ -52,12 +64,19 @@ CHILD = textwrap.dedent(
     long2 = normlab.layer_norm(long, backend="numba")
     numba.set_num_threads(1)
     long1 = normlab.layer_norm(long, backend="numba")
+    tensors_differ = 0
+    if tensor_y is not None:
+        numpy_fused = normlab.add_layer_norm(x[:8], r, weight=w, backend="numba")
+        tensors_differ = int((tensor_y.numpy() != alone[:8]).sum()) + sum(
+            int((t.numpy() != a).sum()) for t, a in zip(tensor_fused, numpy_fused, strict=True)
+        )
     drivers = (
         numba_forward.layer_norm_rows_parallel,
         numba_backward.backward_chunks_parallel,
         numba_forward.long_rows_parallel,
     )
     print(json.dumps({
+        "tensors_differ": tensors_differ,
         "rows_differ": int((y2 != alone).any(axis=1).sum()),
         "y_threads_differ": int((y1 != y2).sum()),
         "dx_threads_differ": int((dx1 != dx2).sum()),
@@ -89,6 +108,7 @@ def test_bitwise_guarantees_hold_when_kernels_come_from_the_cache() -> None:
         assert report["dx_threads_differ"] == 0, report
         assert report["dweight_threads_differ"] == 0, report
         assert report["long_threads_differ"] == 0, report
+        assert report["tensors_differ"] == 0, report
 
 
 #: A child that sets normlab.constants.ROW_CHUNK (argv) before any kernel loads, then runs a

@@ -750,3 +750,114 @@ def test_a_forked_child_of_a_parallel_parent_stays_serial() -> None:
 def test_threading_layer_after_a_parallel_call() -> None:
     layer = numba_backend.threading_layer(start=True)
     assert layer in ("omp", "tbb", "workqueue") or numba.get_num_threads() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Small C-contiguous tensors: the address entries (numba_addressed), bitwise the NumPy call
+
+
+def _as_numpy_array(t: Any) -> np.ndarray:
+    """The tensor ``t``'s memory as a NumPy array of its dtype (bfloat16: ml_dtypes')."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return t.numpy()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def address_entries(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the address entries called (each call appends its name)."""
+    called: list[str] = []
+    for name in ("layer_norm_rows_at", "add_norm_rows_at"):
+        entry = getattr(numba_backend, name)
+
+        def recording(*args: Any, _entry: Any = entry, _name: str = name) -> Any:
+            called.append(_name)
+            return _entry(*args)
+
+        monkeypatch.setattr(numba_backend, name, recording)
+    return called
+
+
+_SMALL_SHAPES = [(1, 1), (1, 768), (3, 5), (7, 1000), (40, 768)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_small_tensors_go_by_address_bitwise_the_numpy_call(
+    torch: Any, address_entries: list[str], dtype: str, op: str
+) -> None:
+    _dtype(dtype)
+    half = dtype in ("float16", "bfloat16")
+    for i, (rows, cols) in enumerate(_SMALL_SHAPES):
+        x = torch.from_numpy(_data((rows, cols), "float32", seed=i, loc=2.0)).to(
+            getattr(torch, dtype)
+        )
+        w = torch.randn(cols, dtype=torch.float32 if half else x.dtype)
+        b = {"bias": torch.randn(cols, dtype=w.dtype)} if op == "layer_norm" else {}
+        b_np = {k: v.numpy() for k, v in b.items()}
+        for stats in (False, True):
+            got = getattr(normlab, op)(x, weight=w, return_stats=stats, backend="numba", **b)
+            want = getattr(normlab, op)(
+                _as_numpy_array(x), weight=w.numpy(), return_stats=stats, backend="numba", **b_np
+            )
+            got, want = (got, want) if stats else ((got,), (want,))
+            for g, v in zip(got, want, strict=True):
+                assert isinstance(g, torch.Tensor)
+                assert np.array_equal(_as_numpy_array(g).view(np.uint8), v.view(np.uint8))
+    assert address_entries == ["layer_norm_rows_at"] * 2 * len(_SMALL_SHAPES)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_small_fused_tensors_go_by_address_bitwise_the_numpy_call(
+    torch: Any, address_entries: list[str], dtype: str, keep_h: bool
+) -> None:
+    _dtype(dtype)
+    for i, (rows, cols) in enumerate(_SMALL_SHAPES):
+        x, r = (
+            torch.from_numpy(_data((rows, cols), "float32", seed=s, loc=1.0)).to(
+                getattr(torch, dtype)
+            )
+            for s in (2 * i, 2 * i + 1)
+        )
+        w = torch.randn(cols, dtype=x.dtype)  # float16/bfloat16 weights are converted
+        got = normlab.add_layer_norm(
+            x, r, weight=w, return_residual=keep_h, return_stats=True, backend="numba"
+        )
+        want = normlab.add_layer_norm(
+            _as_numpy_array(x), _as_numpy_array(r), weight=_as_numpy_array(w),
+            return_residual=keep_h, return_stats=True, backend="numba",
+        )  # fmt: skip
+        for g, v in zip(got, want, strict=True):
+            assert np.array_equal(_as_numpy_array(g).view(np.uint8), v.view(np.uint8))
+    assert address_entries == ["add_norm_rows_at"] * len(_SMALL_SHAPES)
+
+
+def test_tensors_the_address_entries_cannot_read_take_numpy_views(
+    torch: Any, address_entries: list[str]
+) -> None:
+    """Strided, misaligned, large, with ``out``: the NumPy views as before, the same results;
+    a strided or misaligned weight is copied for the address entry."""
+    x = torch.randn(4, 768)
+    want = normlab.layer_norm(x.numpy(), backend="numba")
+    strided = torch.empty(4, 2 * 768)[:, ::2]
+    strided.copy_(x)
+    misaligned = torch.frombuffer(bytearray(4 * 4 * 768 + 2), dtype=torch.float32, offset=2)
+    misaligned = misaligned.view(4, 768)
+    misaligned.copy_(x)
+    assert misaligned.data_ptr() % 4 == 2
+    out = torch.empty(4, 768)
+    for t, kwargs in ((strided, {}), (misaligned, {}), (x, {"out": out})):
+        assert np.array_equal(normlab.layer_norm(t, backend="numba", **kwargs).numpy(), want)
+    large = torch.randn(64, 1024)  # above SERIAL_ELEMENTS: the parallel kernels' pool
+    normlab.layer_norm(large, backend="numba")
+    assert address_entries == []
+    w_strided = torch.randn(2 * 768)[::2]
+    w_misaligned = torch.frombuffer(bytearray(4 * 768 + 2), dtype=torch.float32, offset=2)
+    w_misaligned.copy_(w_strided)
+    w_want = normlab.layer_norm(x.numpy(), weight=w_strided.numpy(), backend="numba")
+    for w in (w_strided, w_misaligned):
+        assert np.array_equal(normlab.layer_norm(x, weight=w, backend="numba").numpy(), w_want)
+    assert address_entries == ["layer_norm_rows_at"] * 2

@@ -19,8 +19,10 @@ or of row segments for long rows, each) — unless another thread is inside the 
 at that moment, or this process is a child forked after its parent went parallel: then on the
 calling thread. The results are the same bits either way.
 
-Torch CPU tensors (served only when the caller names ``backend="numba"``) are read and written
-through ``Tensor.numpy()`` views of the same memory; the results are tensors. The kernels record
+Torch CPU tensors (a zero-copy family: chosen by cost, or named) are read and written in place;
+the results are tensors. A small C-contiguous one (a call on the calling thread, without ``out``)
+goes to the serial kernels by address (:mod:`normlab.backends.numba_addressed`); others through
+``Tensor.numpy()`` views of the same memory. The kernels record
 no autograd graph (the record claims no ``autograd``): for tensors that require grad the core
 runs this backend through normlab's torch custom ops (:mod:`normlab.autograd`), which call it
 with tensors that do not; a tensor that requires grad reaching it is refused
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Final
@@ -41,12 +44,14 @@ import numpy as np
 from normlab.backends import (
     compile_notices,
     half_bits,
+    numba_addressed,
     numba_backward,
     numba_cache,
     numba_forward,
     numba_fused,
     output_pool,
 )
+from normlab.backends.numba_addressed import add_norm_rows_at, layer_norm_rows_at
 from normlab.backends.numba_backward import backward_chunks, backward_chunks_parallel, sum_chunks
 from normlab.backends.numba_forward import (
     LONG_ROW_BYTES,
@@ -84,7 +89,7 @@ __all__ = [
     "to_numpy",
 ]
 
-numba_cache.adopt(half_bits, numba_forward, numba_backward, numba_fused)
+numba_cache.adopt(half_bits, numba_forward, numba_backward, numba_fused, numba_addressed)
 
 #: Below this many elements (rows * cols) a call runs on the calling thread: there the thread
 #: pool saves under a fifth of the time, and a busy machine can delay its wake-up by
@@ -172,7 +177,11 @@ def load_serial_first(
     from the serial path's (38 of 64 rows of a (64, 1024) float32 batch), so results would
     depend on the thread count and on the other rows in every process but the first.
     """
-    key = (driver, *map(_numba_type_key, args))
+    load_first((driver, *map(_numba_type_key, args)), *serial)
+
+
+def load_first(key: tuple[Any, ...], *serial: tuple[Any, tuple[Any, ...]]) -> None:
+    """:func:`load_serial_first` for a driver whose arguments' types ``key`` stands for."""
     if key in _SERIAL_LOADED:
         return
     for kernel, arguments in serial:
@@ -271,7 +280,9 @@ def _normalize(
     k = _kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     torch_family = plan.family == "torch"
     if torch_family:
-        _refuse_grad(x, weight, bias, out)
+        _refuse_graph(plan)
+        if out is None and _serial(plan, k) and _addressable(x, k.element.itemsize):
+            return _normalize_at(x, weight, bias, plan, k, centre)
         bfloat16 = plan.dtype == "bfloat16"
         x_np = _tensor_as_numpy(x, bfloat16)
         out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
@@ -353,7 +364,15 @@ def _add_normalize(
     long = k.long
     torch_family = plan.family == "torch"
     if torch_family:
-        _refuse_grad(x, residual, weight, bias, out, residual_out)
+        _refuse_graph(plan)
+        if (
+            out is None
+            and residual_out is None
+            and _serial(plan, k)
+            and _addressable(x, k.element.itemsize)
+            and _addressable(residual, k.element.itemsize)
+        ):
+            return _add_normalize_at(x, residual, weight, bias, plan, k, centre)
         bfloat16 = plan.dtype == "bfloat16"
         x_np, r_np = _tensor_as_numpy(x, bfloat16), _tensor_as_numpy(residual, bfloat16)
         out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
@@ -428,7 +447,10 @@ def _add_rows(args: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int) -> 
 class _KernelTypes:
     """What the forward kernels take for one (dtype, stats dtype, cols): the compute dtype, the
     integer type of half bit patterns (None: x's own), the stand-ins of an absent weight and
-    bias, the empty statistics array, and whether rows take the segmented (long) form."""
+    bias and their addresses, the empty statistics array, whether rows take the segmented
+    (long) form, and empty arrays of the kernels' element type of x (``element``) and of the
+    compute dtype (``compute_like``): the types of :mod:`numba_addressed`'s entries, with the
+    names of those whose serial kernels are loaded (``loaded``, see :func:`load_serial_first`)."""
 
     compute: np.dtype[Any]
     bits: type | None
@@ -437,6 +459,11 @@ class _KernelTypes:
     ones: np.ndarray
     zeros: np.ndarray
     no_stats: np.ndarray
+    element: np.ndarray
+    compute_like: np.ndarray
+    ones_at: int
+    zeros_at: int
+    loaded: set[str]
 
 
 @functools.lru_cache(maxsize=16)
@@ -447,14 +474,21 @@ def _kernel_types(dtype: str, stats_dtype: str, cols: int) -> _KernelTypes:
     stats: type = np.float64 if stats_dtype == "float64" else np.float32
     long = cols * np.dtype(compute).itemsize > LONG_ROW_BYTES
     stand_in = SEGMENT if long else cols  # the length of an absent weight or bias
+    bits = _BITS.get(dtype)
+    ones, zeros = _constant(stand_in, compute, 1.0), _constant(stand_in, compute, 0.0)
     return _KernelTypes(
         compute=np.dtype(compute),
-        bits=_BITS.get(dtype),
+        bits=bits,
         stats=np.dtype(stats),
         long=long,
-        ones=_constant(stand_in, compute, 1.0),
-        zeros=_constant(stand_in, compute, 0.0),
+        ones=ones,
+        zeros=zeros,
         no_stats=_no_stats(stats),
+        element=np.empty((0, 0), bits or np.dtype(dtype)),
+        compute_like=np.empty(0, compute),
+        ones_at=ones.ctypes.data,
+        zeros_at=zeros.ctypes.data,
+        loaded=set(),
     )
 
 
@@ -595,7 +629,102 @@ def _tensors(
 # Torch CPU tensors, served zero-copy when the caller names this backend.
 
 
+def _serial(plan: Plan, k: _KernelTypes) -> bool:
+    """Whether a call runs on the calling thread whatever the pool's state (short rows, and
+    one row or fewer than :data:`SERIAL_ELEMENTS` elements): the case of the address entries."""
+    return not k.long and (plan.rows == 1 or plan.rows * plan.cols < SERIAL_ELEMENTS)
+
+
+def _normalize_at(
+    x: Any, weight: Any, bias: Any, plan: Plan, k: _KernelTypes, centre: bool
+) -> tuple[Any, Any, Any]:
+    """:func:`_normalize` of a C-contiguous tensor ``x`` on the calling thread, without NumPy
+    views: the tensors' addresses go to :func:`numba_addressed.layer_norm_rows_at`. ``y`` is a
+    fresh tensor; the statistics are NumPy arrays the kernel writes, returned as tensors."""
+    w_at, w_kept = _tensor_address(weight, k, k.ones_at)
+    b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
+    y = _torch().empty_like(x)
+    mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
+    rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
+    e = k.element
+    if "layer_norm_rows_at" not in k.loaded:  # see load_serial_first: the kernel's own copy
+        layer_norm_rows(e, e, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
+        k.loaded.add("layer_norm_rows_at")
+    layer_norm_rows_at(
+        e, k.compute_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
+        plan.rows, plan.cols, plan.eps, mean, rstd, centre, 0, plan.rows,
+    )  # fmt: skip
+    del w_kept, b_kept  # converted weight and bias lived until the kernel returned
+    if not plan.return_stats:
+        return y, None, None
+    return y, _torch().from_numpy(mean) if centre else None, _torch().from_numpy(rstd)
+
+
+def _add_normalize_at(
+    x: Any, residual: Any, weight: Any, bias: Any, plan: Plan, k: _KernelTypes, centre: bool
+) -> tuple[Any, Any, Any, Any]:
+    """:func:`_add_normalize` of C-contiguous tensors ``x`` and ``residual`` on the calling
+    thread, without NumPy views (as :func:`_normalize_at`, with
+    :func:`numba_addressed.add_norm_rows_at`); ``y`` and ``h`` are fresh tensors."""
+    w_at, w_kept = _tensor_address(weight, k, k.ones_at)
+    b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
+    empty_like = _torch().empty_like
+    y = empty_like(x)
+    h = empty_like(x) if plan.return_residual else None
+    mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
+    rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
+    e = k.element
+    h_like = None if h is None else e
+    entry = "add_norm_rows_at" if h is None else "add_norm_rows_at with h"
+    if entry not in k.loaded:  # see load_serial_first: the kernel's own copy runs
+        add_norm_rows(e, e, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
+        k.loaded.add(entry)
+    add_norm_rows_at(
+        e, k.compute_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+        0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols, plan.eps, mean,
+        rstd, centre, 0, plan.rows,
+    )  # fmt: skip
+    del w_kept, b_kept  # converted weight and bias lived until the kernel returned
+    if not plan.return_stats:
+        return y, h, None, None
+    torch = _torch()
+    return y, h, torch.from_numpy(mean) if centre else None, torch.from_numpy(rstd)
+
+
+def _tensor_address(p: Any, k: _KernelTypes, absent: int) -> tuple[int, Any]:
+    """The address of a weight or bias tensor as ``cols`` contiguous compute-dtype elements
+    (``absent`` when ``p`` is None), and the converted copy to keep alive while the kernel
+    runs (None when ``p`` is read in place)."""
+    if p is None:
+        return absent, None
+    address = p.data_ptr()
+    if (
+        p.dtype is _TORCH_COMPUTE.get(k.compute)
+        and address % k.compute.itemsize == 0
+        and p.is_contiguous()
+    ):
+        return address, None
+    kept = _torch().empty(p.shape, dtype=_torch_compute(k.compute))
+    kept.copy_(p.detach())
+    return kept.data_ptr(), kept
+
+
+def _addressable(t: Any, itemsize: int) -> bool:
+    """Whether the tensor ``t`` is C-contiguous memory aligned to ``itemsize``, as
+    :mod:`numba_addressed` reads it."""
+    return t.is_contiguous() and t.data_ptr() % itemsize == 0  # type: ignore[no-any-return]
+
+
+def _refuse_graph(plan: Plan) -> None:
+    """A forward call whose tensors require grad, in grad mode, never reaches the kernels (the
+    core runs such calls through normlab's custom ops, with detached tensors): refused, never
+    detached."""
+    if plan.requires_grad and _torch().is_grad_enabled():
+        raise BackendError(_NO_GRAPH)
+
+
 def _refuse_grad(*tensors: Any) -> None:
+    """:func:`_refuse_graph` of a backward call, from its tensors."""
     import torch
 
     needs_graph = tensors[0].requires_grad
@@ -605,16 +734,19 @@ def _refuse_grad(*tensors: Any) -> None:
                 needs_graph = True
                 break
     if needs_graph:
-        raise BackendError(
-            "the numba backend does not record autograd graphs, and a tensor of this call "
-            "requires grad; use backend='torch', call under torch.no_grad() (for weight and "
-            "bias), or pass x.detach()"
-        )
+        raise BackendError(_NO_GRAPH)
+
+
+_NO_GRAPH: Final = (
+    "the numba backend does not record autograd graphs, and a tensor of this call requires "
+    "grad; call normlab's functions (which keep the graph through normlab's custom ops), use "
+    "backend='torch', or pass detached tensors"
+)
 
 
 #: torch's dtype of each NumPy compute dtype, filled on the first tensor call (an import
 #: statement per call costs more than the lookup).
-_TORCH_COMPUTE: dict[type, Any] = {}
+_TORCH_COMPUTE: dict[np.dtype[Any], Any] = {}
 
 
 def _tensor_parameter(p: Any, compute: Any) -> np.ndarray | None:
@@ -622,14 +754,24 @@ def _tensor_parameter(p: Any, compute: Any) -> np.ndarray | None:
     when its dtype differs). Detaching is safe here: grad mode is off if ``p`` requires grad."""
     if p is None:
         return None
-    target = _TORCH_COMPUTE.get(compute)
-    if target is None:
-        import torch
-
-        target = _TORCH_COMPUTE[compute] = torch.float64 if compute == np.float64 else torch.float32
+    target = _torch_compute(compute)
     if p.dtype is target and not p.requires_grad:
         return p.numpy()  # type: ignore[no-any-return]
     return np.asarray(p.detach().to(target).numpy())
+
+
+def _torch_compute(compute: np.dtype[Any]) -> Any:
+    """torch's dtype of the NumPy compute dtype ``compute``."""
+    target = _TORCH_COMPUTE.get(compute)
+    if target is None:
+        torch = _torch()
+        target = _TORCH_COMPUTE[compute] = torch.float64 if compute == np.float64 else torch.float32
+    return target
+
+
+def _torch() -> Any:
+    """The torch module (imported by the caller: these arguments are tensors)."""
+    return sys.modules["torch"]
 
 
 def _tensor_as_numpy(t: Any, bfloat16: bool) -> np.ndarray:

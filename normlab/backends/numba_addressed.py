@@ -1,0 +1,106 @@
+"""Kernel entries by address: small CPU tensors handed to the serial kernels as integers.
+
+A NumPy view of a tensor (``Tensor.numpy()``) and a tensor of a NumPy result
+(``torch.from_numpy``) cost about 0.6 µs each, and a one-token call crosses four to six times:
+more than the kernel itself. For C-contiguous tensors the backend passes each tensor's address
+(``Tensor.data_ptr()``) instead; these entries view that memory as the C-contiguous arrays it
+holds (``numba.carray``) and call the very serial kernels a NumPy call runs
+(:func:`~normlab.backends.numba_forward.layer_norm_rows`,
+:func:`~normlab.backends.numba_fused.add_norm_rows`), so the results are bit for bit the NumPy
+call's. Types come from numba's own dispatch on the other arguments: ``x_like`` is an array of
+the kernels' element type for x (x's dtype, or the bit-pattern integer type of a half dtype),
+``w_like`` one of the compute dtype; the addresses are integers.
+
+The caller guarantees what the views assume: each address is element 0 of live, C-contiguous
+memory aligned to its element type, of ``rows * cols`` elements of ``x_like``'s type (x,
+residual, y, h) or ``cols`` of ``w_like``'s (weight, bias), and ``y`` and ``h`` share no memory
+with each other or the inputs. The statistics arrays are passed as arrays, as to the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.numpy_support import carray
+
+from normlab.backends.numba_forward import layer_norm_rows
+from normlab.backends.numba_fused import add_norm_rows
+
+__all__ = ["add_norm_rows_at", "layer_norm_rows_at"]
+
+
+def _pointer_typed(typingctx: Any, address: Any) -> Any:
+    """The integer ``address`` as a ``void*`` (for ``carray``)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.intp), codegen
+
+
+_pointer: Final[Any] = intrinsic(_pointer_typed)
+
+
+@njit(error_model="numpy", cache=True)
+def layer_norm_rows_at(
+    x_like: Any,
+    w_like: Any,
+    x_at: int,
+    y_at: int,
+    w_at: int,
+    b_at: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    start: int,
+    stop: int,
+) -> None:
+    # layer_norm_rows: x and y (rows, cols) of x_like's type, w and b (cols,) of w_like's, at
+    # these addresses; eps, mean, rstd, centre, start, stop as there. (start and stop are
+    # arguments, not constants: a constant would make numba compile another specialization
+    # of the kernel, which may round differently from the NumPy call's.)
+    x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
+    y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
+    w = carray(_pointer(w_at), cols, w_like.dtype)
+    b = carray(_pointer(b_at), cols, w_like.dtype)
+    layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
+
+
+@njit(error_model="numpy", cache=True)
+def add_norm_rows_at(
+    x_like: Any,
+    w_like: Any,
+    h_like: Any,
+    x_at: int,
+    r_at: int,
+    y_at: int,
+    h_at: int,
+    w_at: int,
+    b_at: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    start: int,
+    stop: int,
+) -> None:
+    # add_norm_rows: x, residual, y and h (rows, cols) of x_like's type; h written unless
+    # h_like is None (then h_at is not read); the others as in layer_norm_rows_at.
+    x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
+    r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
+    y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
+    w = carray(_pointer(w_at), cols, w_like.dtype)
+    b = carray(_pointer(b_at), cols, w_like.dtype)
+    if h_like is None:
+        add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
+    else:
+        h = carray(_pointer(h_at), (rows, cols), x_like.dtype)
+        add_norm_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, stop)
