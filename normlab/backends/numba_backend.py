@@ -699,13 +699,15 @@ def _tensor_address(p: Any, k: _KernelTypes, absent: int) -> tuple[int, Any]:
         return absent, None
     address = p.data_ptr()
     if (
-        p.dtype is _TORCH_COMPUTE.get(k.compute)
+        p.dtype is _torch_compute(k.compute)
         and address % k.compute.itemsize == 0
         and p.is_contiguous()
     ):
         return address, None
-    kept = _torch().empty(p.shape, dtype=_torch_compute(k.compute))
-    kept.copy_(p.detach())
+    # Tensor.float() / .double(): half the time of .to(dtype); a no-op on the target dtype
+    kept = p.float() if k.compute.itemsize == 4 else p.double()
+    if not _addressable(kept, k.compute.itemsize):  # strided or misaligned
+        kept = kept.clone(memory_format=_torch().contiguous_format)
     return kept.data_ptr(), kept
 
 
