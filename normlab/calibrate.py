@@ -6,8 +6,9 @@ on a few sizes of x, from one row to tens of MiB, fit ``time = fixed_us + x_byte
 bytes_per_us`` by least squares and keep the timings themselves, which the estimates follow
 (:class:`normlab.hookspecs.CostModel`). The table goes to the cache directory
 (:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the records'
-shipped models. Timings are medians of batches of calls, so a busy moment shifts them less;
-calibrate on an idle machine all the same.
+shipped models. Timings are medians of batches of calls, and the backends that serve one point
+are timed in turn on the same x, so a busy moment shifts them less and alike; calibrate on an
+idle machine all the same.
 """
 
 from __future__ import annotations
@@ -79,14 +80,16 @@ def calibrate(
     if target is None:
         raise ArgumentError("no cache directory (no home directory): pass a path to write to")
     chosen = [registry.get(name) for name in backends] if backends else registry.list_backends()
-    measurements: list[Measurement] = []
+    available = []
     for backend in chosen:
-        if not backend.available:
+        if backend.available:
+            available.append(backend)
+        else:
             progress(f"{backend.name}: skipped, unavailable: {backend.reason}")
-            continue
-        for m in _measure(backend, dtypes, QUICK_SIZES if quick else SIZES, progress):
-            measurements.append(m)
-            progress(f"{m.backend} {m.op} {m.family} {m.dtype} {m.x_bytes} B: {m.us:.1f} µs")
+    measurements: list[Measurement] = []
+    for m in _measure(available, dtypes, QUICK_SIZES if quick else SIZES, progress):
+        measurements.append(m)
+        progress(f"{m.backend} {m.op} {m.family} {m.dtype} {m.x_bytes} B: {m.us:.1f} µs")
     table = _table(measurements)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
@@ -125,35 +128,45 @@ def _machine() -> str:
 
 
 def _measure(
-    backend: Backend,
+    backends: Sequence[Backend],
     dtypes: Sequence[str],
     sizes: Sequence[int],
     progress: Callable[[str], None],
 ) -> Iterator[Measurement]:
+    """Every point (family, dtype, op, size) on every backend of ``backends`` that serves it.
+    The backends of one point are timed on the same x, their batches interleaved, so that a
+    busy moment or a clock that drifts weighs on all of them alike (the choice between two
+    backends rests on their difference)."""
     import numpy as np
 
     from normlab.testing.conversions import numpy_dtype
 
-    families = sorted(backend.families | backend.zero_copy_families)
     rng = np.random.default_rng(0)
-    for family in families:
+    served = {b.name: b.families | b.zero_copy_families for b in backends}
+    for family in sorted(set().union(*served.values())):
         converter = _converter(family)
         if converter is None:
             continue
-        for dtype in sorted(set(dtypes) & backend.dtypes):
+        for dtype in sorted(set(dtypes)):
+            able = [b for b in backends if family in served[b.name] and dtype in b.dtypes]
+            if not able:
+                continue
             try:  # a family may not hold every dtype its backend does (JAX without x64)
                 converter(np.zeros((1, COLS), numpy_dtype(dtype)))
             except NormlabError as exc:
-                progress(f"{backend.name} on {family} {dtype}: skipped, {exc}")
+                for b in able:
+                    progress(f"{b.name} on {family} {dtype}: skipped, {exc}")
                 continue
             itemsize = np.dtype(numpy_dtype(dtype)).itemsize
-            for op in sorted(backend.ops):
+            for op in sorted(set().union(*(b.ops for b in able))):
+                timed = [b for b in able if op in b.ops]
                 for float32_rows in sizes:
                     rows = max(1, float32_rows * 4 // itemsize)
-                    x64 = rng.standard_normal((rows, COLS))
-                    call = _call(op, converter, x64.astype(numpy_dtype(dtype)), backend.name)
+                    x = rng.standard_normal((rows, COLS)).astype(numpy_dtype(dtype))
+                    calls = [_call(op, converter, x, b.name) for b in timed]
                     nbytes = rows * COLS * itemsize
-                    yield Measurement(backend.name, op, family, dtype, nbytes, _median_us(call))
+                    for b, us in zip(timed, _medians_us(calls), strict=True):
+                        yield Measurement(b.name, op, family, dtype, nbytes, us)
 
 
 def _converter(family: str) -> Callable[[Any], Any] | None:
@@ -186,16 +199,20 @@ def _call(op: str, convert: Callable[[Any], Any], x: Any, name: str) -> Callable
     return lambda: backward(xa, xa, *stats, weight, backend=name)
 
 
-def _median_us(call: Callable[[], Any]) -> float:
-    call()  # compiles, allocates, fills caches
-    start = time.perf_counter()
-    call()
-    once = max(time.perf_counter() - start, 1e-7)
-    repeats = max(1, int(_BATCH_S / once))
-    batches = []
-    for _ in range(_BATCHES):
+def _medians_us(calls: Sequence[Callable[[], Any]]) -> list[float]:
+    """Each call's median µs over :data:`_BATCHES` batches of about :data:`_BATCH_S` seconds,
+    the calls' batches taken in turn."""
+    repeats = []
+    for call in calls:
+        call()  # compiles, allocates, fills caches
         start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        batches.append((time.perf_counter() - start) / repeats)
-    return statistics.median(batches) * 1e6
+        call()
+        repeats.append(max(1, int(_BATCH_S / max(time.perf_counter() - start, 1e-7))))
+    batches: list[list[float]] = [[] for _ in calls]
+    for _ in range(_BATCHES):
+        for call, n, times in zip(calls, repeats, batches, strict=True):
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            times.append((time.perf_counter() - start) / n)
+    return [statistics.median(times) * 1e6 for times in batches]

@@ -85,3 +85,45 @@ def test_a_dtype_the_family_cannot_hold_is_skipped_and_said(
     assert "nof64 on fakelib float64: skipped, fakelib holds no float64" in said
     model = cost_table(json.loads(path.read_text()))["nof64"]["layer_norm:fakelib"]
     assert set(model.bytes_per_us) == set(model.measured) == {"float32"}
+
+
+#: Which backend's layer_norm ran, in order (filled by the two logging backends below).
+CALLS: list[str] = []
+
+
+def _logging_module(name: str) -> types.SimpleNamespace:
+    def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Any, out: Any) -> Any:
+        CALLS.append(name)
+        return plugins_for_tests.layer_norm(x, weight, bias, plan=plan, out=out)
+
+    return types.SimpleNamespace(
+        layer_norm=layer_norm,
+        to_numpy=plugins_for_tests.to_numpy,
+        from_numpy=lambda a, like=None: FakeArray(a),
+    )
+
+
+LOG_A, LOG_B = _logging_module("loga"), _logging_module("logb")
+
+
+def test_the_backends_of_one_point_are_timed_in_turn(
+    tmp_path: Path, register: Callable[..., ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two backends serving one family: each batch of one is followed by a batch of the other
+    (a busy moment weighs on both), on the same x."""
+    monkeypatch.setattr(calibrate, "_BATCHES", 3)
+    monkeypatch.setattr(calibrate, "_BATCH_S", 0.0)  # one call per batch
+    register(record("loga", module=f"{__name__}:LOG_A"))
+    register(record("logb", module=f"{__name__}:LOG_B"))
+    CALLS.clear()
+    _, measurements = calibrate.calibrate(
+        ["loga", "logb"], ["float32"], quick=True, path=tmp_path / "c.json"
+    )
+    per_size = 2 * 2 + 3 * 2  # each warmed twice, then three batches of one call each, in turn
+    assert len(CALLS) == per_size * len(calibrate.QUICK_SIZES)
+    first = CALLS[:per_size]
+    assert first[:4] == ["loga", "loga", "logb", "logb"]
+    assert first[4:] == ["loga", "logb"] * 3
+    assert {(m.backend, m.x_bytes) for m in measurements} == {
+        (name, 768 * 4 * rows) for name in ("loga", "logb") for rows in calibrate.QUICK_SIZES
+    }
