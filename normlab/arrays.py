@@ -89,6 +89,18 @@ class Memory(NamedTuple):
     strides: tuple[int, ...]
     itemsize: int
 
+    def extent(self) -> tuple[int, int] | None:
+        """The bytes ``[first, last + 1)`` the elements span; None when there is none."""
+        low = high = self.address
+        for n, s in zip(self.shape, self.strides, strict=True):
+            if n == 0:
+                return None
+            if s < 0:
+                low += (n - 1) * s
+            else:
+                high += (n - 1) * s
+        return low, high + self.itemsize
+
 
 def _dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)
@@ -145,6 +157,13 @@ class Inspector:
             return None
         strides = tuple(s * info.itemsize for s in info.strides)
         return Memory(address, info.shape, strides, info.itemsize)
+
+    def extent(self, x: Any) -> tuple[int, int] | None:
+        """The bytes ``[first, last + 1)`` ``x``'s elements span (:meth:`Memory.extent`); None
+        without addressable memory or elements. Overlap tests read it first: disjoint extents
+        settle most pairs without the full layout."""
+        memory = self.memory(x)
+        return None if memory is None else memory.extent()
 
     def _device(self, x: Any) -> str:
         import array_api_compat
@@ -283,6 +302,15 @@ class TorchInspector(Inspector):
     def memory(self, x: Any) -> Memory:
         size = x.element_size()
         return Memory(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), size)
+
+    def extent(self, x: Any) -> tuple[int, int] | None:
+        if x.is_contiguous():  # without the layout: the common case of out= costs less
+            n = x.numel()
+            if n == 0:
+                return None
+            start = x.data_ptr()
+            return start, start + n * x.element_size()
+        return super().extent(x)
 
     def permute(self, a: Any, order: tuple[int, ...]) -> Any:
         return a.permute(order)

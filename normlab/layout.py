@@ -133,6 +133,8 @@ def rows(a: Any, call: Layout, copy: bool) -> Any:
     plan = call.plan
     if call.permutation is not None:
         a = arrays.permute(a, call.permutation)
+    elif not copy and plan.shape == (plan.rows, plan.cols):
+        return a  # 2-D rows already: a reshape would only make a view (a tensor's costs 1 µs)
     if copy:
         a = arrays.contiguous(a)
     return arrays.reshape(a, (plan.rows, plan.cols))

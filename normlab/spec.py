@@ -738,7 +738,7 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
     given_out = [(n, o) for n, o in outputs.items() if o is not None]
     result: Aliasing = "separate"
-    seen: dict[int, Any] = {}
+    seen: dict[Any, Any] = {}
     for i, (name, o) in enumerate(given_out):
         for other_name, other in given_out[:i]:
             if other is o or _shares_memory(o, other, seen) is not False:
@@ -770,10 +770,10 @@ def _output_argument(name: str) -> str:
     return "residual_out" if name == "h" else f"out ({name})"
 
 
-def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool | None:
+def _shares_memory(a: Any, b: Any, seen: dict[Any, Any] | None = None) -> bool | None:
     """Whether ``a`` and ``b`` have an element in common; None when undecided within
     :data:`OVERLAP_MAX_WORK`. Arrays without addressable memory (JAX, Dask) share none.
-    ``seen`` keeps each array's memory and extent for the other pairs of one call."""
+    ``seen`` keeps each array's extent and memory for the other pairs of one call."""
     np = _numpy()
     if type(a) is np.ndarray and type(b) is np.ndarray:  # the common case: no layouts to read
         if not np.may_share_memory(a, b):  # bounds only: cheap
@@ -781,49 +781,44 @@ def _shares_memory(a: Any, b: Any, seen: dict[int, Any] | None = None) -> bool |
         va, vb = (v.view(f"u{v.itemsize}") for v in (a, b))  # bfloat16 as integers
     else:
         seen = {} if seen is None else seen
-        ma, mb = _located(a, seen), _located(b, seen)
-        if ma is None or mb is None or not (ma[1][0] < mb[1][1] and mb[1][0] < ma[1][1]):
+        ea, eb = _extent(a, seen), _extent(b, seen)
+        if ea is None or eb is None or not (ea[0] < eb[1] and eb[0] < ea[1]):
             return False  # bounds only: cheap
-        va, vb = _memory_view(ma[0]), _memory_view(mb[0])
+        va, vb = _memory_view(_memory(a, seen)), _memory_view(_memory(b, seen))
     try:
         return bool(np.shares_memory(va, vb, max_work=OVERLAP_MAX_WORK))
     except np.exceptions.TooHardError:
         return None
 
 
-def _same_elements(a: Any, b: Any, seen: dict[int, Any]) -> bool:
+def _same_elements(a: Any, b: Any, seen: dict[Any, Any]) -> bool:
     """Whether ``a`` and ``b`` are views of the very same elements (same first address, shape,
     strides and item size): ``out=x[:, ::2]`` for ``x[:, ::2]`` is an in-place call."""
     np = _numpy()
     if type(a) is np.ndarray and type(b) is np.ndarray and not np.may_share_memory(a, b):
         return False  # bounds only: cheap, and no layouts to read
-    la, lb = _located(a, seen), _located(b, seen)
-    return la is not None and lb is not None and la[0] == lb[0]
+    extent = _extent(a, seen)
+    if extent is None or extent != _extent(b, seen):  # the same elements span the same bytes
+        return False
+    return bool(_memory(a, seen) == _memory(b, seen))
 
 
-def _located(a: Any, seen: dict[int, Any]) -> tuple[arrays.Memory, tuple[int, int]] | None:
-    """``a``'s memory and the bytes ``[first, last + 1)`` it spans (None: no addressable
-    element), computed once per array and call."""
-    if id(a) in seen:
-        return seen[id(a)]  # type: ignore[no-any-return]
-    memory = arrays.inspector(type(a)).memory(a)
-    result = None
-    if memory is not None and math.prod(memory.shape) > 0:
-        result = memory, _extent(memory)
-    seen[id(a)] = result
-    return result
+def _extent(a: Any, seen: dict[Any, Any]) -> tuple[int, int] | None:
+    """The bytes ``[first, last + 1)`` ``a`` spans (None: no addressable element), read once per
+    array and call."""
+    key = id(a)
+    if key not in seen:
+        seen[key] = arrays.inspector(type(a)).extent(a)
+    return seen[key]  # type: ignore[no-any-return]
 
 
-def _extent(layout: arrays.Memory) -> tuple[int, int]:
-    """The bytes ``[first, last + 1)`` an array's elements span."""
-    address, shape, strides, itemsize = layout
-    low = high = address
-    for n, s in zip(shape, strides, strict=True):
-        if s < 0:
-            low += (n - 1) * s
-        else:
-            high += (n - 1) * s
-    return low, high + itemsize
+def _memory(a: Any, seen: dict[Any, Any]) -> arrays.Memory:
+    """``a``'s memory (an array :func:`_extent` found elements in), read once per array and
+    call."""
+    key = (id(a), "memory")
+    if key not in seen:
+        seen[key] = arrays.inspector(type(a)).memory(a)
+    return seen[key]  # type: ignore[no-any-return]
 
 
 class _AddressOnly:

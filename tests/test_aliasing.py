@@ -181,3 +181,27 @@ def test_outputs_sharing_memory_with_each_other_are_refused(lib: Backend) -> Non
     stats = lib.from_numpy(np.zeros((3, 1), np.float32))
     with pytest.raises(normlab.ArgumentError, match=r"out \(rstd\) and out \(mean\) share"):
         normlab.layer_norm(x, return_stats=True, out=(None, stats, stats))
+
+
+def test_a_tensor_extent_read_without_its_layout_agrees_with_the_layout() -> None:
+    """A C-contiguous tensor's extent comes from its address and size alone (the common case
+    of ``out=``); it is the extent of its full layout, and empty tensors have none."""
+    inspector = arrays.inspector(torch.Tensor)
+    base = torch.zeros(6, 8)
+    for t in (base, base[1:4], base[:, 2:5], base.t(), base[::2], base[2:2], base[1:2, 3]):
+        assert inspector.extent(t) == inspector.memory(t).extent()
+    assert inspector.extent(base[2:2]) is None
+    assert arrays.Memory(100, (3,), (-4,), 4).extent() == (92, 104)  # reversed: 92..103
+    assert arrays.Memory(100, (2, 0), (8, 4), 4).extent() is None
+
+
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_tensors_over_overlapping_numpy_memory_are_refused(backend: str) -> None:
+    """Two tensors of separate storages over overlapping NumPy memory: the contiguous fast
+    path of the overlap test sees the overlap, as the exact test does."""
+    memory = np.zeros(20, np.float32)
+    x = torch.from_numpy(memory[0:16]).view(2, 8)
+    out = torch.from_numpy(memory[4:20]).view(2, 8)
+    with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with x"):
+        normlab.layer_norm(x, out=out, backend=backend)
+    assert not memory.any()  # nothing written

@@ -838,8 +838,8 @@ def test_small_fused_tensors_go_by_address_bitwise_the_numpy_call(
 def test_tensors_the_address_entries_cannot_read_take_numpy_views(
     torch: Any, address_entries: list[str]
 ) -> None:
-    """Strided, misaligned, large, with ``out``: the NumPy views as before, the same results;
-    a strided or misaligned weight is copied for the address entry."""
+    """Strided, misaligned, large, in place: the NumPy views as before, the same results; a
+    strided or misaligned weight is copied for the address entry."""
     x = torch.randn(4, 768)
     want = normlab.layer_norm(x.numpy(), backend="numba")
     strided = torch.empty(4, 2 * 768)[:, ::2]
@@ -848,8 +848,8 @@ def test_tensors_the_address_entries_cannot_read_take_numpy_views(
     misaligned = misaligned.view(4, 768)
     misaligned.copy_(x)
     assert misaligned.data_ptr() % 4 == 2
-    out = torch.empty(4, 768)
-    for t, kwargs in ((strided, {}), (misaligned, {}), (x, {"out": out})):
+    in_place = x.clone()
+    for t, kwargs in ((strided, {}), (misaligned, {}), (in_place, {"out": in_place})):
         assert np.array_equal(normlab.layer_norm(t, backend="numba", **kwargs).numpy(), want)
     large = torch.randn(64, 1024)  # above SERIAL_ELEMENTS: the parallel kernels' pool
     normlab.layer_norm(large, backend="numba")
@@ -861,3 +861,32 @@ def test_tensors_the_address_entries_cannot_read_take_numpy_views(
     for w in (w_strided, w_misaligned):
         assert np.array_equal(normlab.layer_norm(x, weight=w, backend="numba").numpy(), w_want)
     assert address_entries == ["layer_norm_rows_at"] * 2
+
+
+def test_outputs_given_go_by_address_in_place_forms_included(
+    torch: Any, address_entries: list[str]
+) -> None:
+    """``out=`` a separate tensor, and the fused op's in-place serving form (``out=x,
+    residual_out=residual``): by address, written in place, bitwise the NumPy call."""
+    x, r = torch.randn(3, 768), torch.randn(3, 768)
+    w, b = torch.randn(768), torch.randn(768)
+    want = normlab.layer_norm(x.numpy(), weight=w.numpy(), bias=b.numpy(), backend="numba")
+    out = torch.empty(3, 768)
+    assert normlab.layer_norm(x, weight=w, bias=b, out=out, backend="numba") is out
+    assert np.array_equal(out.numpy(), want)
+    want_y, want_h = normlab.add_layer_norm(
+        x.numpy(), r.numpy(), weight=w.numpy(), bias=b.numpy(), backend="numba"
+    )
+    xs, rs = x.clone(), r.clone()
+    y, h = normlab.add_layer_norm(
+        xs, rs, weight=w, bias=b, out=xs, residual_out=rs, backend="numba"
+    )
+    assert y is xs and h is rs
+    assert np.array_equal(xs.numpy(), want_y) and np.array_equal(rs.numpy(), want_h)
+    xs, rs = x.clone(), r.clone()  # swapped: h over x, y over the residual
+    y, h = normlab.add_layer_norm(
+        xs, rs, weight=w, bias=b, out=rs, residual_out=xs, backend="numba"
+    )
+    assert y is rs and h is xs
+    assert np.array_equal(rs.numpy(), want_y) and np.array_equal(xs.numpy(), want_h)
+    assert address_entries == ["layer_norm_rows_at"] + ["add_norm_rows_at"] * 2

@@ -281,8 +281,15 @@ def _normalize(
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_graph(plan)
-        if out is None and _serial(plan, k) and _addressable(x, k.element.itemsize):
-            return _normalize_at(x, weight, bias, plan, k, centre)
+        n = k.element.itemsize
+        if (
+            _serial(plan, k)
+            and _addressable(x, n)
+            # out: separate memory (the core passes x's very memory or none of it), as the
+            # kernels write y beside x; in place goes through the views, which pass no y
+            and (out is None or (_addressable(out, n) and out.data_ptr() != x.data_ptr()))
+        ):
+            return _normalize_at(x, weight, bias, plan, k, centre, out)
         bfloat16 = plan.dtype == "bfloat16"
         x_np = _tensor_as_numpy(x, bfloat16)
         out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
@@ -365,14 +372,15 @@ def _add_normalize(
     torch_family = plan.family == "torch"
     if torch_family:
         _refuse_graph(plan)
-        if (
-            out is None
-            and residual_out is None
-            and _serial(plan, k)
-            and _addressable(x, k.element.itemsize)
-            and _addressable(residual, k.element.itemsize)
+        n = k.element.itemsize
+        if (  # the fused kernels write y and h over x or residual themselves (in place)
+            _serial(plan, k)
+            and _addressable(x, n)
+            and _addressable(residual, n)
+            and (out is None or _addressable(out, n))
+            and (residual_out is None or _addressable(residual_out, n))
         ):
-            return _add_normalize_at(x, residual, weight, bias, plan, k, centre)
+            return _add_normalize_at(x, residual, weight, bias, plan, k, centre, out, residual_out)
         bfloat16 = plan.dtype == "bfloat16"
         x_np, r_np = _tensor_as_numpy(x, bfloat16), _tensor_as_numpy(residual, bfloat16)
         out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
@@ -636,14 +644,15 @@ def _serial(plan: Plan, k: _KernelTypes) -> bool:
 
 
 def _normalize_at(
-    x: Any, weight: Any, bias: Any, plan: Plan, k: _KernelTypes, centre: bool
+    x: Any, weight: Any, bias: Any, plan: Plan, k: _KernelTypes, centre: bool, out: Any
 ) -> tuple[Any, Any, Any]:
     """:func:`_normalize` of a C-contiguous tensor ``x`` on the calling thread, without NumPy
-    views: the tensors' addresses go to :func:`numba_addressed.layer_norm_rows_at`. ``y`` is a
-    fresh tensor; the statistics are NumPy arrays the kernel writes, returned as tensors."""
+    views: the tensors' addresses go to :func:`numba_addressed.layer_norm_rows_at`. ``y`` is
+    ``out`` (C-contiguous, separate from x) or a fresh tensor; the statistics are NumPy arrays
+    the kernel writes, returned as tensors."""
     w_at, w_kept = _tensor_address(weight, k, k.ones_at)
     b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
-    y = _torch().empty_like(x)
+    y = _torch().empty_like(x) if out is None else out
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     e = k.element
@@ -661,16 +670,27 @@ def _normalize_at(
 
 
 def _add_normalize_at(
-    x: Any, residual: Any, weight: Any, bias: Any, plan: Plan, k: _KernelTypes, centre: bool
+    x: Any,
+    residual: Any,
+    weight: Any,
+    bias: Any,
+    plan: Plan,
+    k: _KernelTypes,
+    centre: bool,
+    out: Any,
+    residual_out: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """:func:`_add_normalize` of C-contiguous tensors ``x`` and ``residual`` on the calling
     thread, without NumPy views (as :func:`_normalize_at`, with
-    :func:`numba_addressed.add_norm_rows_at`); ``y`` and ``h`` are fresh tensors."""
+    :func:`numba_addressed.add_norm_rows_at`); ``y`` is ``out`` and ``h`` ``residual_out``
+    (C-contiguous; the memory of an input or separate), else fresh tensors."""
     w_at, w_kept = _tensor_address(weight, k, k.ones_at)
     b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
     empty_like = _torch().empty_like
-    y = empty_like(x)
-    h = empty_like(x) if plan.return_residual else None
+    y = empty_like(x) if out is None else out
+    h = residual_out
+    if h is None and plan.return_residual:
+        h = empty_like(x)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     e = k.element
