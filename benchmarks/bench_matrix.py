@@ -19,7 +19,9 @@ an io_binding, on every shape; ``torch.compile`` on :data:`COMPILE_SHAPES`), eac
 its reason where it cannot run here. The quick matrix (CI) has none. Each backend call records
 whether normlab's default choice for that NumPy input is this backend (``default``), and the
 "auto" rows time that default itself: ``normlab.<op>`` with no backend named, on NumPy arrays
-(``auto``) and on CPU torch tensors (``auto-torch``), dispatch included.
+(``auto``) and on CPU torch tensors (``auto-torch``), dispatch included. The ``numba-torch`` rows
+time numba named on those CPU tensors (which it serves zero-copy): with the torch backend's own
+rows, the choices ``auto-torch`` has.
 
 The fused ops (``add_layer_norm``, ``add_rms_norm``: residual add + norm) have rows of their own
 on CPU torch tensors (``workloads.fused_call``): normlab's fused call with numba named (``(y, h)``,
@@ -54,6 +56,7 @@ from workloads import (
     FUSED_MODES,
     FUSED_REFERENCES,
     LIMITS,
+    ON_TORCH,
     OPS,
     REFERENCES,
     Workload,
@@ -345,6 +348,12 @@ def _cases(op: str, dtype: str, shape: tuple[int, ...], backends: list[Backend])
         for auto, family in AUTO.items()
         if family == "numpy" or _installed(family)
     )
+    if _installed("torch"):  # a backend on CPU tensors, beside the torch backend's rows
+        cases.extend(
+            Case(op, row, "alloc", shape, dtype)
+            for row, name in ON_TORCH.items()
+            if any(b.name == name and "torch" in b.zero_copy_families for b in backends)
+        )
     params = []
     for case in cases:
         if case.subject == "textbook" and case.reference and not _textbook_fits(case):
@@ -459,7 +468,7 @@ def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
             return reference_call(case.op or "layer_norm", case.subject, data)
         except peers.PeerUnavailable as exc:  # a peer that fails to build on this input
             pytest.skip(f"peer {case.subject}: {exc}")
-    if case.subject in AUTO:
+    if case.subject in AUTO or case.subject in ON_TORCH:
         return auto_call(case.op, case.subject, data)
     return backend_call(case.op, registry.get(case.subject), data, out=case.mode == "out")
 

@@ -642,24 +642,38 @@ def dispatch_table(run: dict[str, Any]) -> Table:
 
 #: The auto rows (normlab's own choice, no backend named) and the family of their inputs.
 AUTO: Final = {"auto": "NumPy", "auto-torch": "torch CPU"}
+#: The rows on CPU torch tensors besides ``auto-torch``: the torch backend, and backends named
+#: on tensors they serve zero-copy (``workloads.ON_TORCH``).
+ON_TORCH_ROWS: Final = frozenset({"torch", "numba-torch"})
 #: An auto row this much slower than the best backend is flagged (the run-to-run spread of the
 #: matrix on an idle machine is about as large).
 AUTO_TOLERANCE: Final = 1.05
 
 
+def _input_family(r: Row) -> str:
+    """The family of a backend row's inputs, as :data:`AUTO` names it (the fused ops run on
+    CPU tensors only)."""
+    if r.subject in AUTO:
+        return AUTO[r.subject]
+    on_torch = r.subject in ON_TORCH_ROWS or r.op in FUSED
+    return AUTO["auto-torch"] if on_torch else AUTO["auto"]
+
+
 def auto_table(all_rows: Sequence[Row]) -> Table:
-    """Per call: the auto rows against the fastest backend named on the same input (an
-    allocating call; NumPy arrays and CPU tensors share memory, so either family counts)."""
+    """Per call: the auto rows against the fastest backend named on the same input in the same
+    family (an allocating call: NumPy rows for ``auto``, the torch backend's and the
+    ``numba-torch`` rows for ``auto-torch``), so that each is judged against the choices it
+    has, conversions included."""
     best: dict[tuple[Any, ...], Row] = {}
     for r in all_rows:
         if r.kind == "reference" or r.subject in AUTO or r.mode != "alloc":
             continue
-        key = (r.op, r.dtype, r.shape)
+        key = (r.op, r.dtype, r.shape, _input_family(r))
         if key not in best or r.seconds < best[key].seconds:
             best[key] = r
     body, flagged = [], set()
     for r in all_rows:
-        fastest = best.get((r.op, r.dtype, r.shape))
+        fastest = best.get((r.op, r.dtype, r.shape, _input_family(r)))
         if r.subject not in AUTO or fastest is None:
             continue
         ratio = r.seconds / fastest.seconds
@@ -681,7 +695,8 @@ def auto_table(all_rows: Sequence[Row]) -> Table:
         ("op", "input", "dtype", "shape", "no backend named", "fastest named", "ratio"),
         body,
         "No backend named (dispatch included) against the fastest backend named on the same "
-        f"input; flagged above {AUTO_TOLERANCE:.2f}×.",
+        "input of the same family (NumPy arrays: numba, numpy; CPU tensors: torch, numba "
+        f"on the tensors); flagged above {AUTO_TOLERANCE:.2f}×.",
         frozenset(flagged),
     )
 

@@ -194,25 +194,30 @@ def backend_call(op: str, backend: Backend, data: Workload, out: bool) -> Call:
 
 #: normlab's own choice (no backend named) on inputs of each family: the matrix's "auto" rows.
 AUTO: Final = {"auto": "numpy", "auto-torch": "torch"}
+#: Backends timed on CPU torch tensors, which they serve zero-copy beside their own arrays (the
+#: rows that ``auto-torch`` is judged against with the torch backend's), by row name.
+ON_TORCH: Final = {"numba-torch": "numba"}
 
 
 def auto_call(op: str, subject: str, data: Workload) -> Call:
-    """``normlab.<op>`` with no backend named, on inputs of the family of ``subject`` (see
-    :data:`AUTO`): what a user calling normlab gets, dispatch included."""
-    family = AUTO[subject]
+    """``normlab.<op>`` on inputs of the family of ``subject``, dispatch included: with no
+    backend named (:data:`AUTO`: what a user calling normlab gets), or on CPU torch tensors
+    with the backend of :data:`ON_TORCH` named."""
+    family = AUTO.get(subject, "torch")
+    named = ON_TORCH.get(subject)
     convert = (lambda a: a) if family == "numpy" else _torch_view
     x, weight, bias = (convert(a) for a in (data.x, data.weight, data.bias))
     if op == "layer_norm_backward":
         dy = convert(data.dy)
         mean, rstd = (convert(a) for a in data.layer_norm_stats)
-        return lambda: normlab.layer_norm_backward(dy, x, mean, rstd, weight)
+        return lambda: normlab.layer_norm_backward(dy, x, mean, rstd, weight, backend=named)
     if op == "rms_norm_backward":
         dy, rstd = convert(data.dy), convert(data.rms_norm_stats)
-        return lambda: normlab.rms_norm_backward(dy, x, rstd, weight)
+        return lambda: normlab.rms_norm_backward(dy, x, rstd, weight, backend=named)
     if op == "rms_norm":
-        return lambda: normlab.rms_norm(x, None, weight, EPS)
+        return lambda: normlab.rms_norm(x, None, weight, EPS, backend=named)
     if op == "layer_norm":
-        return lambda: normlab.layer_norm(x, None, weight, bias, EPS)
+        return lambda: normlab.layer_norm(x, None, weight, bias, EPS, backend=named)
     raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
 
 

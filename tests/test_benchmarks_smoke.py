@@ -194,6 +194,30 @@ def test_summary_dispatch_and_tables() -> None:
     assert "torch autograd backward" in text and "1.50 / 0.90 / 0.50 at the end" in text
 
 
+def test_each_auto_row_is_judged_against_its_own_family() -> None:
+    """``auto`` against the fastest NumPy row; ``auto-torch`` against the torch backend's and
+    numba's on tensors, not against numba on NumPy arrays (which pays no tensor crossing)."""
+    shape = [1, 1024]
+    run = _run(ops=())
+    run["benchmarks"] = [
+        _bench("layer_norm", "layer_norm", subject, "alloc", seconds, shape)
+        for subject, seconds in (
+            ("numba", 3e-6),
+            ("numpy", 20e-6),
+            ("auto", 3.1e-6),
+            ("torch", 8e-6),
+            ("numba-torch", 7e-6),
+            ("auto-torch", 7.2e-6),
+        )
+    ]
+    table = report.auto_table(report.rows(run))
+    ratios = {row[1]: (row[5], float(row[6])) for row in table.body}
+    assert ratios["NumPy"][0].startswith("numba ") and ratios["NumPy"][1] == 1.03  # 3.1 / 3
+    assert ratios["torch CPU"][0].startswith("numba-torch ")
+    assert ratios["torch CPU"][1] == 1.03  # 7.2 / 7, not 7.2 / 3 against numba on NumPy
+    assert not table.alerts
+
+
 def test_compare_flags_changes_beyond_the_spread() -> None:
     alloc = ("layer_norm", "layer_norm", "numpy", "alloc")
     out = ("layer_norm", "layer_norm", "numpy", "out")
