@@ -30,9 +30,10 @@ from normlab.registry import Backend
 __all__ = ["SIZES", "Measurement", "calibrate", "fit"]
 
 #: Rows of float32 x measured (of :data:`COLS` columns; other dtypes take the rows of the same
-#: bytes): one token to 48 MiB, densest where the rates change (caches; torch's fresh outputs
+#: bytes): one token to 48 MiB, densest where the rates change (numba's serial kernels up to
+#: 2^15 elements, 42 rows, and its thread pool from there; caches; torch's fresh outputs
 #: page-faulting from 32 MiB).
-SIZES: Final = (1, 8, 64, 512, 2048, 8192, 16384)
+SIZES: Final = (1, 8, 32, 64, 512, 2048, 8192, 16384)
 QUICK_SIZES: Final = (1, 64)
 COLS: Final = 768
 #: Seconds of calls per timed batch, and batches per size (the median is kept).
