@@ -25,6 +25,7 @@ from normlab.registry import Backend
 
 __all__ = [
     "CALIBRATION_FILE",
+    "THROUGH_GRAPH_US",
     "bucket",
     "calibration_path",
     "estimate_us",
@@ -33,6 +34,13 @@ __all__ = [
 ]
 
 CALIBRATION_FILE: Final = "costs.json"
+#: What a call on tensors that require grad costs more on a backend that records no graph
+#: itself: the core runs it through normlab's torch custom ops, whose dispatch and backward
+#: node cost about this much per training step (measured on the 2-core VM of the shipped
+#: models: a 1×768 float32 forward and backward on numba 141 µs, on torch 38 µs). The cost
+#: models time calls without grad; this keeps small training calls on torch, large ones where
+#: the kernels win (8192×1024: numba 13.9 ms, torch 24.8 ms).
+THROUGH_GRAPH_US: Final = 100.0
 
 
 def bucket(plan: Plan) -> int:
@@ -41,14 +49,18 @@ def bucket(plan: Plan) -> int:
 
 
 def estimate_us(backend: Backend, plan: Plan) -> float | None:
-    """The estimated microseconds of ``plan`` on ``backend`` at the middle of its size bucket,
-    or None when the backend declares no model for the op or the dtype."""
+    """The estimated microseconds of ``plan`` on ``backend`` at the middle of its size bucket
+    (plus :data:`THROUGH_GRAPH_US` for tensors that require grad on a backend that records no
+    graph), or None when the backend declares no model for the op or the dtype."""
     found = model(backend, plan.op, plan.family)
     if found is None:
         return None
     b = bucket(plan)
     x_bytes = 0.0 if b == 0 else 2.0 ** (b - 0.5)  # bytes in [2^(b-1), 2^b)
-    return found.estimate_us(x_bytes, plan.dtype)
+    estimate = found.estimate_us(x_bytes, plan.dtype)
+    if estimate is not None and plan.requires_grad and "autograd" not in backend.capabilities:
+        estimate += THROUGH_GRAPH_US
+    return estimate
 
 
 def model(backend: Backend, op: str, family: str) -> CostModel | None:

@@ -269,6 +269,27 @@ def test_a_cpu_tensor_goes_to_the_cheaper_of_torch_and_numba() -> None:
     assert "numba (priority 20): " in text and "estimated" in text
 
 
+def test_tensors_requiring_grad_pay_the_custom_op_on_a_backend_without_a_graph(
+    register: Register,
+) -> None:
+    """With a tensor that requires grad, a backend that records no graph (run through normlab's
+    custom ops) is estimated THROUGH_GRAPH_US dearer; one that records its own is not."""
+    torch = pytest.importorskip("torch")
+    for name, capabilities in (("plain", frozenset()), ("graphs", frozenset({"autograd"}))):
+        register(
+            record(name, families=frozenset({"torch"}), capabilities=capabilities, costs={
+                "layer_norm": QUICK, "layer_norm_backward": QUICK
+            })
+        )  # fmt: skip
+    x = torch.ones(4, 256)
+    plain, graphs = registry.get("plain"), registry.get("graphs")
+    without = costs.estimate_us(plain, _plan(x))
+    assert without is not None and without == costs.estimate_us(graphs, _plan(x))
+    grad = _plan(x.requires_grad_())
+    assert costs.estimate_us(plain, grad) == pytest.approx(without + costs.THROUGH_GRAPH_US)
+    assert costs.estimate_us(graphs, grad) == without
+
+
 def test_normlab_torch_default_keeps_tensors_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("NORMLAB_TORCH_DEFAULT", "torch")
