@@ -4,11 +4,12 @@ For every available backend, every family it serves (its own and its zero-copy f
 op it provides (the fused ``add_*`` ops with a residual, h returned) and every dtype: time calls
 on a few sizes of x, from one row to tens of MiB, fit ``time = fixed_us + x_bytes /
 bytes_per_us`` by least squares and keep the timings themselves, which the estimates follow
-(:class:`normlab.hookspecs.CostModel`). The table goes to the cache directory
-(:func:`normlab.costs.calibration_path`), where the dispatcher reads it instead of the records'
-shipped models. Timings are medians of batches of calls, and the backends that serve one point
-are timed in turn on the same x, so a busy moment shifts them less and alike; calibrate on an
-idle machine all the same.
+(:class:`normlab.hookspecs.CostModel`). It also times what a small training call costs more
+through normlab's torch custom ops (:func:`normlab.costs.through_graph_us`). The table goes to
+the cache directory (:func:`normlab.costs.calibration_path`), where the dispatcher reads it
+instead of the records' shipped models. Timings are medians of batches of calls, and the
+backends that serve one point are timed in turn on the same x, so a busy moment shifts them
+less and alike; calibrate on an idle machine all the same.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def calibrate(
         measurements.append(m)
         progress(f"{m.backend} {m.op} {m.family} {m.dtype} {m.x_bytes} B: {m.us:.1f} µs")
     table = _table(measurements)
+    through = _through_graph_us(available)
+    if through is not None:
+        progress(f"a training call through normlab's custom ops: {through:.1f} µs more")
+        table["through_graph_us"] = round(through, 1)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -168,6 +173,46 @@ def _measure(
                     nbytes = rows * COLS * itemsize
                     for b, us in zip(timed, _medians_us(calls), strict=True):
                         yield Measurement(b.name, op, family, dtype, nbytes, us)
+
+
+def _through_graph_us(backends: Sequence[Backend]) -> float | None:
+    """What a small training call (1×COLS float32 CPU tensors with weight and bias, forward
+    and backward) costs more on the first of ``backends`` that serves tensors without recording
+    a graph (the core runs it through normlab's custom ops) than on the first that records its
+    own, beyond the difference of their forwards without grad; None without such a pair."""
+    serving = [
+        b
+        for b in backends
+        if "torch" in b.families | b.zero_copy_families
+        and "float32" in b.dtypes
+        and {"layer_norm", "layer_norm_backward"} <= b.ops
+    ]
+    graphless = next((b.name for b in serving if "autograd" not in b.capabilities), None)
+    graphs = next((b.name for b in serving if "autograd" in b.capabilities), None)
+    if graphless is None or graphs is None:
+        return None
+    import torch
+
+    import normlab
+
+    x, weight, bias = torch.randn(1, COLS), torch.ones(COLS), torch.zeros(COLS)
+    leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+    dy = torch.ones(1, COLS)
+
+    def step(name: str) -> Callable[[], Any]:
+        def call() -> Any:
+            y = normlab.layer_norm(leaves[0], weight=leaves[1], bias=leaves[2], backend=name)
+            return torch.autograd.grad(y, leaves, dy)
+
+        return call
+
+    def forward(name: str) -> Callable[[], Any]:
+        return lambda: normlab.layer_norm(x, weight=weight, bias=bias, backend=name)
+
+    step_us, step_graphs_us, forward_us, forward_graphs_us = _medians_us(
+        [step(graphless), step(graphs), forward(graphless), forward(graphs)]
+    )
+    return max(0.0, (step_us - forward_us) - (step_graphs_us - forward_graphs_us))
 
 
 def _converter(family: str) -> Callable[[Any], Any] | None:

@@ -127,3 +127,34 @@ def test_the_backends_of_one_point_are_timed_in_turn(
     assert {(m.backend, m.x_bytes) for m in measurements} == {
         (name, 768 * 4 * rows) for name in ("loga", "logb") for rows in calibrate.QUICK_SIZES
     }
+
+
+def test_calibrate_measures_what_the_custom_ops_cost_a_training_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a backend that records no graph (numba) and one that does (torch), the table holds
+    the training call's extra cost through the custom ops: (numba's step − its forward) −
+    (torch's step − its forward), never below 0; the dispatcher reads it."""
+    pytest.importorskip("torch")
+    if not registry.get("numba").available:
+        pytest.skip("numba is not installed")
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(tmp_path))
+    timed: list[list[float]] = [[300.0, 100.0, 20.0, 10.0], [30.0, 100.0, 20.0, 10.0]]
+    real = calibrate._medians_us
+
+    def medians(calls: Any) -> list[float]:
+        real(calls)  # the calls run: a step through the custom ops must work
+        return timed.pop(0)
+
+    monkeypatch.setattr(calibrate, "_measure", lambda *args: iter(()))
+    monkeypatch.setattr(calibrate, "_medians_us", medians)
+    try:
+        for expected in (190.0, 0.0):
+            path, _ = calibrate.calibrate(["numba", "torch"], ["float32"], quick=True)
+            assert json.loads(path.read_text())["through_graph_us"] == expected
+            assert costs.through_graph_us() == expected
+        path, _ = calibrate.calibrate(["numpy", "torch"], ["float32"], quick=True)
+        assert "through_graph_us" not in json.loads(path.read_text())  # no backend without a graph
+        assert costs.through_graph_us() == costs.THROUGH_GRAPH_US
+    finally:
+        costs.reload()

@@ -290,6 +290,33 @@ def test_tensors_requiring_grad_pay_the_custom_op_on_a_backend_without_a_graph(
     assert costs.estimate_us(graphs, grad) == without
 
 
+@pytest.mark.parametrize("measured", [0.0, 42.5])
+def test_the_calibrated_cost_of_the_custom_ops_replaces_the_shipped_one(
+    register: Register, own_calibration: Path, measured: float
+) -> None:
+    torch = pytest.importorskip("torch")
+    register(record("plain", families=frozenset({"torch"}), costs={"layer_norm": QUICK}))
+    plain, x = registry.get("plain"), torch.ones(4, 256)
+    without = costs.estimate_us(plain, _plan(x))
+    assert without is not None
+    own_calibration.parent.mkdir(parents=True)
+    own_calibration.write_text(json.dumps({"backends": {}, "through_graph_us": measured}))
+    costs.reload()
+    assert costs.through_graph_us() == measured
+    assert costs.estimate_us(plain, _plan(x.requires_grad_())) == pytest.approx(without + measured)
+
+
+@pytest.mark.parametrize("value", [-1, "100", True, float("nan")])
+def test_a_malformed_custom_op_cost_is_ignored_with_a_warning(
+    own_calibration: Path, value: Any
+) -> None:
+    own_calibration.parent.mkdir(parents=True)
+    own_calibration.write_text(json.dumps({"backends": {}, "through_graph_us": value}))
+    costs.reload()
+    with pytest.warns(normlab.NormlabWarning, match="through_graph_us must be a finite number"):
+        assert costs.through_graph_us() == costs.THROUGH_GRAPH_US
+
+
 def test_normlab_torch_default_keeps_tensors_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("NORMLAB_TORCH_DEFAULT", "torch")
