@@ -167,7 +167,7 @@ def _backward_row(
     # dyr, xr: one row of dy and x (elements as in numba_forward; any stride).
     # dys, xs: scratch rows (compute dtype, length n) of the thread.
     # m, r: the row's mean (0 for RMSNorm) and rstd, float64. w: weight, compute dtype, length
-    # n, or None (no weight: g = dy). dxr: the row of dx to write (x's element type), or None.
+    # n, or None (no weight: g = dy). dxr: the row of dx to write (x's element type).
     # pw, pb: this chunk's partial sums of dweight and dbias (compute dtype, length n).
     # centre: LayerNorm (else RMSNorm).
     # Loops index from 0 (slices for the blocks): a start that may be negative would stop Numba's
@@ -211,12 +211,11 @@ def _backward_row(
     for start in range(0, n, TILE):
         xt = xc[start : start + TILE]
         dyt = dyc[start : start + TILE]
-        if dxr is not None:
-            wt = weight_span(w, start, start + TILE)
-            dxt = dxr[start : start + TILE]
-            for j in range(xt.shape[0]):
-                xhat = sub_exact(sub_exact(xt[j], mc), resc) * rc
-                dxt[j] = store(rc * (weighted(dyt[j], wt, j) - mean_gc - xhat * mean_gxc), dxt)
+        wt = weight_span(w, start, start + TILE)
+        dxt = dxr[start : start + TILE]
+        for j in range(xt.shape[0]):
+            xhat = sub_exact(sub_exact(xt[j], mc), resc) * rc
+            dxt[j] = store(rc * (weighted(dyt[j], wt, j) - mean_gc - xhat * mean_gxc), dxt)
         pwt = pw[start : start + TILE]
         pbt = pb[start : start + TILE]
         for j in range(xt.shape[0]):
@@ -253,14 +252,19 @@ def backward_chunks(
     dy_scratch = np.empty(cols, rstd.dtype)
     pw = np.empty(cols, rstd.dtype)
     pb = np.empty(cols, rstd.dtype)
+    # Without dx, each row's dx still goes somewhere: a scratch row like dx's rows, so the row
+    # code is the very code of the full call and dweight the same bits (with the dx terms dead,
+    # LLVM compiled the row sums' fast-math loop differently; an AMD EPYC gave another
+    # dweight in up to a third of its elements).
+    dx_scratch = np.empty(cols, x.dtype)
     for c in range(first, last):
         pw[:] = 0
         pb[:] = 0
         for i in range(c * chunk, min(rows, (c + 1) * chunk)):
             m = mean[i] if centre else 0.0
-            if dx is None:
+            if dx is None:  # resolved when compiling: one call or the other
                 _backward_row(
-                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, None, pw, pb, centre
+                    dy[i], x[i], dy_scratch, x_scratch, m, rstd[i], w, dx_scratch, pw, pb, centre
                 )
             else:
                 _backward_row(
