@@ -200,9 +200,10 @@ def fuzz_explore(session: nox.Session) -> None:
 
 @nox.session
 def boundscheck(session: nox.Session) -> None:
-    """The conformance suite on numba, every kernel compiled afresh with bounds checks."""
+    """The conformance suite on numba, every kernel compiled afresh with bounds checks, on NumPy
+    arrays and on CPU torch tensors (whose small calls take the kernels by address)."""
     _isolate(session)
-    session.install(".[test,numba]")
+    session.install(".[test,numba,torch]")
     session.env["NORMLAB_SLOW_TESTS"] = "1"
     session.run("pytest", "tests/test_boundscheck.py", *session.posargs)
 
