@@ -458,7 +458,8 @@ class _KernelTypes:
     bias and their addresses, the empty statistics array, whether rows take the segmented
     (long) form, and empty arrays of the kernels' element type of x (``element``) and of the
     compute dtype (``compute_like``): the types of :mod:`numba_addressed`'s entries, with the
-    names of those whose serial kernels are loaded (``loaded``, see :func:`load_serial_first`)."""
+    entry points of those already run (``entries``, by name; see :func:`_entry_point`; their
+    serial kernels were loaded first, see :func:`load_serial_first`)."""
 
     compute: np.dtype[Any]
     bits: type | None
@@ -471,7 +472,7 @@ class _KernelTypes:
     compute_like: np.ndarray
     ones_at: int
     zeros_at: int
-    loaded: set[str]
+    entries: dict[str, Any]
 
 
 @functools.lru_cache(maxsize=16)
@@ -496,7 +497,7 @@ def _kernel_types(dtype: str, stats_dtype: str, cols: int) -> _KernelTypes:
         compute_like=np.empty(0, compute),
         ones_at=ones.ctypes.data,
         zeros_at=zeros.ctypes.data,
-        loaded=set(),
+        entries={},
     )
 
 
@@ -653,18 +654,22 @@ def _normalize_at(
     w_at, w_kept = _tensor_address(weight, k, k.ones_at)
     b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
     y = _torch().empty_like(x) if out is None else out
-    mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
-    rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
+    return_stats = plan.return_stats
+    mean = np.empty(plan.rows, k.stats) if return_stats and centre else k.no_stats
+    rstd = np.empty(plan.rows, k.stats) if return_stats else k.no_stats
     e = k.element
-    if "layer_norm_rows_at" not in k.loaded:  # see load_serial_first: the kernel's own copy
-        layer_norm_rows(e, e, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
-        k.loaded.add("layer_norm_rows_at")
-    layer_norm_rows_at(
+    args = (
         e, k.compute_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
         plan.rows, plan.cols, plan.eps, mean, rstd, centre, 0, plan.rows,
     )  # fmt: skip
+    entry = k.entries.get("layer_norm_rows_at")
+    if entry is not None:
+        entry(*args)
+    else:  # see load_serial_first: the kernel's own copy runs
+        layer_norm_rows(e, e, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
+        k.entries["layer_norm_rows_at"] = _entry_point(layer_norm_rows_at, args)
     del w_kept, b_kept  # converted weight and bias lived until the kernel returned
-    if not plan.return_stats:
+    if not return_stats:
         return y, None, None
     return y, _torch().from_numpy(mean) if centre else None, _torch().from_numpy(rstd)
 
@@ -695,15 +700,18 @@ def _add_normalize_at(
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     e = k.element
     h_like = None if h is None else e
-    entry = "add_norm_rows_at" if h is None else "add_norm_rows_at with h"
-    if entry not in k.loaded:  # see load_serial_first: the kernel's own copy runs
-        add_norm_rows(e, e, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
-        k.loaded.add(entry)
-    add_norm_rows_at(
+    args = (
         e, k.compute_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
         0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols, plan.eps, mean,
         rstd, centre, 0, plan.rows,
     )  # fmt: skip
+    name = "add_norm_rows_at" if h is None else "add_norm_rows_at with h"
+    entry = k.entries.get(name)
+    if entry is not None:
+        entry(*args)
+    else:  # see load_serial_first: the kernel's own copy runs
+        add_norm_rows(e, e, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
+        k.entries[name] = _entry_point(add_norm_rows_at, args)
     del w_kept, b_kept  # converted weight and bias lived until the kernel returned
     if not plan.return_stats:
         return y, h, None, None
@@ -717,18 +725,28 @@ def _tensor_address(p: Any, k: _KernelTypes, absent: int) -> tuple[int, Any]:
     runs (None when ``p`` is read in place)."""
     if p is None:
         return absent, None
-    address = p.data_ptr()
-    if (
-        p.dtype is _torch_compute(k.compute)
-        and address % k.compute.itemsize == 0
-        and p.is_contiguous()
-    ):
-        return address, None
+    if p.dtype is _torch_compute(k.compute) and p.is_contiguous():
+        address = p.data_ptr()
+        if address % k.compute.itemsize == 0:
+            return address, None
     # Tensor.float() / .double(): half the time of .to(dtype); a no-op on the target dtype
     kept = p.float() if k.compute.itemsize == 4 else p.double()
     if not _addressable(kept, k.compute.itemsize):  # strided or misaligned
         kept = kept.clone(memory_format=_torch().contiguous_format)
     return kept.data_ptr(), kept
+
+
+def _entry_point(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """Run ``kernel`` on ``args`` through numba's dispatcher (which compiles or loads the
+    signature of their types) and return that signature's entry point: the compiled function
+    itself, without the dispatcher's typing of every argument (about a third of a µs of 14).
+
+    Only for the address entries, where every array argument is the backend's own (the
+    kernel-type stand-ins, the statistics: each of one fixed numba type per
+    :class:`_KernelTypes`) and the caller's memory travels as integers: the types of a later
+    call's arguments are those of ``args``, so numba's dispatch would pick this very entry."""
+    kernel(*args)
+    return kernel.get_overload(tuple(kernel.typeof_pyval(a) for a in args))
 
 
 def _addressable(t: Any, itemsize: int) -> bool:
