@@ -158,14 +158,15 @@ def validated(
     key: tuple[Any, ...] | None
     try:
         array_type = type(x)
+        key_of = arrays.inspector(array_type).key
         key = (
             op,
             array_type,
-            arrays.inspector(array_type).key(x),
+            key_of(x),
             normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
             axis if axis is None else _dims_key(axis),
-            None if weight is None else _param_key(weight),
-            None if bias is None else _param_key(bias),
+            _param_key_like(weight, array_type, key_of),
+            _param_key_like(bias, array_type, key_of),
             eps,
             type(eps),
             return_stats,
@@ -218,14 +219,17 @@ def validated_fused(
         eps = _eps_from_array(eps)
     key: tuple[Any, ...] | None
     try:
+        array_type = type(x)
+        key_of = arrays.inspector(array_type).key
         key = (
             op,
-            _param_key(x),
-            _param_key(residual),
+            array_type,
+            key_of(x),
+            _param_key_like(residual, array_type, key_of),
             normalized_shape if normalized_shape is None else _dims_key(normalized_shape),
             axis if axis is None else _dims_key(axis),
-            None if weight is None else _param_key(weight),
-            None if bias is None else _param_key(bias),
+            _param_key_like(weight, array_type, key_of),
+            _param_key_like(bias, array_type, key_of),
             eps,
             type(eps),
             return_stats,
@@ -313,6 +317,8 @@ def _dims_key(value: Any) -> Any:
     """Dims with their element types: (4.0,) == (4,) in Python, but only one is valid."""
     if type(value) is int:
         return value
+    if type(value) is tuple and len(value) == 1 and type(value[0]) is int:
+        return value  # the common (cols,): ints only, unlike any key below (a type first)
     if isinstance(value, (tuple, list)):
         return (type(value), *((type(v), v) for v in value))
     return type(value), value
@@ -320,6 +326,14 @@ def _dims_key(value: Any) -> Any:
 
 def _param_key(p: Any) -> Any:
     return type(p), arrays.inspector(type(p)).key(p)
+
+
+def _param_key_like(p: Any, array_type: type, key_of: Any) -> Any:
+    """:func:`_param_key` of an optional ``p`` (None: None), with ``key_of``, the key function
+    of ``array_type``'s inspector, for ``p`` of that type (mostly so: weight and bias of x's)."""
+    if p is None:
+        return None
+    return (array_type, key_of(p)) if type(p) is array_type else _param_key(p)
 
 
 def _out_key(out: Any) -> Any:
@@ -737,6 +751,9 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     allowed = OPS[op].in_place
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
     given_out = [(n, o) for n, o in outputs.items() if o is not None]
+    settled = _apart(allowed, given_in, given_out)
+    if settled is not None:
+        return settled
     result: Aliasing = "separate"
     seen: dict[Any, Any] = {}
     for i, (name, o) in enumerate(given_out):
@@ -762,6 +779,44 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
                     "separate array"
                 )
     return result
+
+
+def _apart(
+    allowed: Any, given_in: list[tuple[str, Any]], given_out: list[tuple[str, Any]]
+) -> Aliasing | None:
+    """:func:`output_aliasing`'s answer where bounds settle it: every output's bytes lie apart
+    from every other output's and input's (``numpy.may_share_memory`` for NumPy arrays, the
+    inspectors' extents, each read once, for the others), but for outputs that are the very
+    input objects ``allowed`` lets them be (then ``"in_place"``). None when some bounds meet:
+    the exact test decides."""
+    np = _numpy()
+    named = (*given_out, *given_in)
+    spans: list[Any] | None = None  # None: all exact ndarrays
+    for _, a in named:
+        if type(a) is not np.ndarray:
+            spans = [arrays.inspector(type(b)).extent(b) for _, b in named]
+            break
+    may_share = np.may_share_memory
+    result: Aliasing = "separate"
+    for i, (name, o) in enumerate(given_out):
+        for j, (other_name, other) in enumerate(named):
+            if j == i:
+                continue
+            if other is o:
+                if (name, other_name) not in allowed:
+                    return None
+                result = "in_place"
+            elif spans is None:
+                if may_share(o, other):
+                    return None
+            elif _meet(spans[i], spans[j]):
+                return None
+    return result
+
+
+def _meet(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    """Whether the byte ranges ``a`` and ``b`` (None: no bytes) have a byte in common."""
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
 def _output_argument(name: str) -> str:
