@@ -742,18 +742,26 @@ def output_aliasing(op: str, inputs: dict[str, Any], outputs: dict[str, Any]) ->
     object, or views of exactly the same elements).
 
     ``inputs``/``outputs`` map names (``x``, ``weight``, ``bias``; ``y``, ``mean``, ``rstd``) to
-    arrays or None. The test is exact (element by element, never by bounds), reads only each
-    array's address, shape and strides — never its data — and is bounded in work. Statistics
-    outputs are always written after the kernel has read every input, so only the x-like
-    outputs (``y``; a fused op's ``h``) need a temporary when an overlap is undecided. Raises
-    ArgumentError naming both arrays.
+    arrays or None. Bounds that lie apart settle the call (:func:`_apart`); else the test is
+    exact (element by element, never refusing by bounds: :func:`_exact_aliasing`). It reads
+    only each array's address, shape and strides — never its data — and is bounded in work.
+    Statistics outputs are always written after the kernel has read every input, so only the
+    x-like outputs (``y``; a fused op's ``h``) need a temporary when an overlap is undecided.
+    Raises ArgumentError naming both arrays.
     """
     allowed = OPS[op].in_place
     given_in = [(n, a) for n, a in inputs.items() if a is not None]
     given_out = [(n, o) for n, o in outputs.items() if o is not None]
     settled = _apart(allowed, given_in, given_out)
-    if settled is not None:
-        return settled
+    return settled if settled is not None else _exact_aliasing(op, given_in, given_out)
+
+
+def _exact_aliasing(
+    op: str, given_in: list[tuple[str, Any]], given_out: list[tuple[str, Any]]
+) -> Aliasing:
+    """:func:`output_aliasing` by the exact test of every pair of the given (named, not None)
+    inputs and outputs."""
+    allowed = OPS[op].in_place
     result: Aliasing = "separate"
     seen: dict[Any, Any] = {}
     for i, (name, o) in enumerate(given_out):

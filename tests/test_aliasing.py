@@ -14,6 +14,7 @@ import pytest
 
 import normlab
 from normlab import arrays, reference, spec
+from normlab.ops import OPS
 from normlab.registry import Backend
 
 torch = pytest.importorskip("torch")
@@ -205,3 +206,53 @@ def test_tensors_over_overlapping_numpy_memory_are_refused(backend: str) -> None
     with pytest.raises(normlab.ArgumentError, match=r"out \(y\) shares memory with x"):
         normlab.layer_norm(x, out=out, backend=backend)
     assert not memory.any()  # nothing written
+
+
+def _verdict(decide: Any, *args: Any) -> str:
+    """What an aliasing test answers: its result, or the ArgumentError it raises."""
+    try:
+        return str(decide(*args))
+    except normlab.ArgumentError as exc:
+        return f"ArgumentError: {exc}"
+
+
+@pytest.mark.parametrize("family", ["numpy", "torch"])
+def test_the_bounds_shortcut_answers_as_the_exact_test(family: str) -> None:
+    """Wherever the bounds settle a call (``spec._apart``), the exact element test answers the
+    same, over random views of one buffer and separate arrays as x, weight, bias and outputs
+    (in-place pairs, the same object twice, strided and reversed views, empty ones)."""
+    rng = np.random.default_rng(11)
+    memory = np.zeros(64, np.float32)
+    wrap = torch.from_numpy if family == "torch" else (lambda a: a)
+    shared = wrap(memory)
+
+    def view() -> Any:
+        if rng.random() < 0.25:
+            return wrap(np.zeros(int(rng.integers(0, 9)), np.float32))  # separate memory
+        start, stop = sorted(int(v) for v in rng.integers(0, 65, size=2))
+        step = int(rng.integers(1, 4))
+        v = shared[start:stop:step]
+        if rng.random() < 0.2 and family == "numpy":
+            v = v[::-1]  # torch has no negative strides
+        return v
+
+    settled = 0
+    for _ in range(3000):
+        inputs: dict[str, Any] = {"x": view(), "weight": view(), "bias": view()}
+        outputs: dict[str, Any] = {"y": view(), "mean": view(), "rstd": None}
+        pick = rng.random()
+        if pick < 0.2:
+            outputs["y"] = inputs["x"]  # in place
+        elif pick < 0.3:
+            outputs["mean"] = outputs["y"]  # one object twice
+        elif pick < 0.4:
+            outputs["y"] = inputs["bias"]  # not an in-place pair
+        given_in = [(n, a) for n, a in inputs.items() if a is not None]
+        given_out = [(n, o) for n, o in outputs.items() if o is not None]
+        shortcut = spec._apart(OPS["layer_norm"].in_place, given_in, given_out)
+        exact = _verdict(spec._exact_aliasing, "layer_norm", given_in, given_out)
+        if shortcut is not None:
+            settled += 1
+            assert shortcut == exact, (inputs, outputs)
+        assert _verdict(spec.output_aliasing, "layer_norm", inputs, outputs) == exact
+    assert settled > 300  # the shortcut was exercised, not only the fallback
