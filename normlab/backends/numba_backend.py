@@ -660,7 +660,7 @@ def _normalize_at(
     e = k.element
     args = (
         e, k.compute_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
-        plan.rows, plan.cols, plan.eps, mean, rstd, centre, 0, plan.rows,
+        plan.rows, plan.cols, float(plan.eps), mean, rstd, centre, 0, plan.rows,
     )  # fmt: skip
     entry = k.entries.get("layer_norm_rows_at")
     if entry is not None:
@@ -702,8 +702,8 @@ def _add_normalize_at(
     h_like = None if h is None else e
     args = (
         e, k.compute_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
-        0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols, plan.eps, mean,
-        rstd, centre, 0, plan.rows,
+        0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols, float(plan.eps),
+        mean, rstd, centre, 0, plan.rows,
     )  # fmt: skip
     name = "add_norm_rows_at" if h is None else "add_norm_rows_at with h"
     entry = k.entries.get(name)
@@ -743,8 +743,9 @@ def _entry_point(kernel: Any, args: tuple[Any, ...]) -> Any:
 
     Only for the address entries, where every array argument is the backend's own (the
     kernel-type stand-ins, the statistics: each of one fixed numba type per
-    :class:`_KernelTypes`) and the caller's memory travels as integers: the types of a later
-    call's arguments are those of ``args``, so numba's dispatch would pick this very entry."""
+    :class:`_KernelTypes`), the caller's memory travels as integers and eps as a float: the
+    types of a later call's arguments are those of ``args``, so numba's dispatch would pick
+    this very entry."""
     kernel(*args)
     return kernel.get_overload(tuple(kernel.typeof_pyval(a) for a in args))
 
