@@ -807,6 +807,7 @@ def _apart(
     may_share = np.may_share_memory
     result: Aliasing = "separate"
     for i, (name, o) in enumerate(given_out):
+        span = None if spans is None else spans[i]  # [first, last + 1) bytes; None: none
         for j, (other_name, other) in enumerate(named):
             if j == i:
                 continue
@@ -817,14 +818,14 @@ def _apart(
             elif spans is None:
                 if may_share(o, other):
                     return None
-            elif _meet(spans[i], spans[j]):
+            elif (
+                span
+                and (other_span := spans[j])
+                and span[0] < other_span[1]
+                and other_span[0] < span[1]
+            ):
                 return None
     return result
-
-
-def _meet(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
-    """Whether the byte ranges ``a`` and ``b`` (None: no bytes) have a byte in common."""
-    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
 def _output_argument(name: str) -> str:
