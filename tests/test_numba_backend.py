@@ -8,6 +8,7 @@ Arrays stay small: these tests check correctness, never speed.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import tracemalloc
@@ -898,3 +899,16 @@ def test_outputs_given_go_by_address_in_place_forms_included(
     assert y is rs and h is xs
     assert np.array_equal(rs.numpy(), want_y) and np.array_equal(xs.numpy(), want_h)
     assert address_entries == ["layer_norm_rows_at"] + ["add_norm_rows_at"] * 2
+
+
+def test_an_integer_eps_first_does_not_fix_the_entry_points_eps_type(torch: Any) -> None:
+    """The address entries keep the entry point of their first call's argument types: a plan
+    whose eps is an int (a backend driven by hand) must not make later calls' eps an integer
+    (1e-5 truncated to 0)."""
+    numba_backend._kernel_types.cache_clear()  # the entry point is taken by the next call
+    x = torch.from_numpy(_data((1, 768), "float32", seed=3, loc=2.0))
+    plan = spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, None)
+    numba_backend.layer_norm(x, None, None, plan=dataclasses.replace(plan, eps=0), out=None)
+    got = numba_backend.layer_norm(x, None, None, plan=plan, out=None)[0]
+    want = normlab.layer_norm(x.numpy(), backend="numba")
+    assert np.array_equal(got.numpy(), want)
