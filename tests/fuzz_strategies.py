@@ -119,11 +119,13 @@ VALID_PARAMS: Final = (None, None, "ok", "ok", "float32", "strided", "broadcast"
 INVALID_PARAMS: Final = ("wrong_shape", "wrong_dtype", "other_family", "list")
 
 
-def _shape(draw: st.DrawFn, rank_ok: bool) -> tuple[int, ...]:
+def _shape(draw: st.DrawFn, rank_ok: bool, elements: bool = False) -> tuple[int, ...]:
+    """A shape of rank 1-4 (no dims if not ``rank_ok``); with ``elements``, no zero dim."""
     shape: list[int] = []
     for _ in range(draw(st.integers(1, 4)) if rank_ok else 0):
         most = MAX_ELEMENTS // max(1, math.prod(shape))
-        shape.append(draw(st.sampled_from([d for d in DIMS if d <= most])))
+        dims = [d for d in DIMS if d <= most and (d or not elements)]
+        shape.append(draw(st.sampled_from(dims)))
     return tuple(shape)
 
 
@@ -185,14 +187,22 @@ def _param(draw: st.DrawFn, family: str, dtype: str, valid: bool) -> Param | Non
 @st.composite
 def forward_calls(draw: st.DrawFn, max_wrong: int = 2) -> Forward:
     """A call with at most ``max_wrong`` arguments drawn from their invalid values, the rest
-    valid."""
-    wrong = draw(st.sets(st.sampled_from(ARGUMENTS), max_size=max_wrong))
+    valid. One call in :data:`EDGE_SHARE` aims at one of :data:`INPUT_CLASSES` (built to
+    belong to it), so that every class is drawn in a run of a few hundred calls whatever
+    sequence the run's seed gives."""
+    edge = draw(st.sampled_from((None,) * (EDGE_SHARE - 1) * len(INPUT_CLASSES) + INPUT_CLASSES))
+    wrong = draw(st.sets(st.sampled_from(ARGUMENTS), max_size=max_wrong)) if edge is None else set()
+    if edge == "out sharing memory with weight":
+        wrong = {"out"}
     op = draw(st.sampled_from(["layer_norm", "layer_norm", "rms_norm"]))
     family = draw(st.sampled_from(["numpy", "torch"]))
     floats = [*FLOATS] if "x" not in wrong else [*NOT_FLOATS[family], "not_an_array"]
-    dtype = draw(st.sampled_from(floats))
-    shape = _shape(draw, "rank" not in wrong)
+    edge_dtypes = EDGE_DTYPES.get(edge, FLOATS)
+    dtype = draw(st.sampled_from([d for d in floats if d in edge_dtypes] or floats))
+    shape = _shape(draw, "rank" not in wrong, elements=edge is not None)
     out = draw(st.sampled_from(INVALID_OUT if "out" in wrong else VALID_OUT))
+    if edge == "out sharing memory with weight":
+        out = "aliases_weight"
     layout = draw(st.sampled_from(LAYOUTS[family]))
     if (out == "overlap" and not shape) or dtype == "not_an_array":
         out = None
@@ -210,9 +220,13 @@ def forward_calls(draw: st.DrawFn, max_wrong: int = 2) -> Forward:
         )
     )
     preference = draw(st.sampled_from(PREFERENCES))
-    values = draw(st.sampled_from(kinds))
+    values = draw(st.sampled_from(kinds)) if edge not in EDGE_VALUES else EDGE_VALUES[edge]
     if values in ("minute", "constant") and "eps" not in wrong:  # eps = 0 as often as not
         eps_values = (0.0,) * len(eps_values) + eps_values
+    if edge == "constant rows, eps = 0":
+        eps_values = (0.0, -0.0, 0)
+    elif edge == "minute rows, eps too small to hide underflow":
+        eps_values = (0.0, -0.0, 5e-324) + ((1e-40, 1e-80) if dtype == "float32" else ())
     return Forward(
         op=op,
         family=family,
@@ -245,6 +259,21 @@ INPUT_CLASSES: Final = (
     "constant rows, eps = 0",
     "out sharing memory with weight",
 )
+
+
+#: One forward call in this many aims at an input class (:func:`forward_calls`).
+EDGE_SHARE: Final = 2
+#: The float dtypes and value kinds that put a call in an input class (the eps of the
+#: minute and constant classes: zero or below :func:`input_classes`'s bound).
+EDGE_DTYPES: Final = {
+    "huge float64 rows": ("float64",),
+    "minute rows, eps too small to hide underflow": ("float32", "float64"),
+}
+EDGE_VALUES: Final = {
+    "huge float64 rows": "huge",
+    "minute rows, eps too small to hide underflow": "minute",
+    "constant rows, eps = 0": "constant",
+}
 
 
 def input_classes(f: Forward, kwargs: dict[str, Any]) -> list[str]:
@@ -351,26 +380,41 @@ def fused_calls(draw: st.DrawFn) -> Fused:
     """An ``add_layer_norm``/``add_rms_norm`` call: the base op's arguments as
     :func:`forward_calls` draws them (at most one invalid), and at most one of the fused
     arguments (residual, return_residual, residual_out, or outputs partly overlapping)
-    invalid."""
-    call = draw(forward_calls(max_wrong=1))  # the fused arguments add their own
+    invalid. One call in :data:`EDGE_SHARE` aims at one of :data:`FUSED_FORMS`, with a valid
+    base call."""
+    form = draw(st.sampled_from((None,) * (EDGE_SHARE - 1) * len(FUSED_FORMS) + FUSED_FORMS))
+    # the fused arguments add their own wrong one
+    call = draw(forward_calls(max_wrong=1) if form is None else forward_calls(max_wrong=0))
     family = call.family
     if call.shape and draw(st.integers(0, 29)) == 13:  # not a bound: hypothesis favours those
         large = draw(st.sampled_from(LARGE_SHAPES))
         call = dataclasses.replace(call, shape=large, normalized_shape=None, axis=None)
+    if form == "outputs partly overlapping, refused" and not (
+        call.shape[:1] >= (2,) and math.prod(call.shape) > 0
+    ):
+        call = dataclasses.replace(call, shape=(3, 8), normalized_shape=None, axis=None)
     wrong = draw(
         st.sampled_from(
             [None, None, None, "residual", "return_residual", "residual_out", "overlap"]
         )
     )
+    if form is not None:  # aimed: every fused argument valid, but for the refused overlap
+        wrong = "overlap" if form == "outputs partly overlapping, refused" else None
     residuals = INVALID_RESIDUALS if wrong == "residual" else VALID_RESIDUALS
     residuals += ("masked",) if family == "numpy" and wrong == "residual" else ()
     residuals += ("requires_grad",) if family == "torch" and wrong != "residual" else ()
     residual = draw(st.sampled_from(residuals))
+    if form == "residual passed as x":
+        residual = "x"
+    elif form == "in-place serving form (out=x, residual_out=residual)":
+        residual = "ok"
     return_residual = draw(
         st.sampled_from(
             INVALID_RETURN_RESIDUAL if wrong == "return_residual" else (True, True, False)
         )
     )
+    if form == "post-norm form (return_residual=False)":
+        return_residual = False
     out = residual_out = overlap = None
     post_norm = False
     if wrong == "residual_out":
@@ -387,6 +431,8 @@ def fused_calls(draw: st.DrawFn) -> Fused:
                 residual = "requires_grad"
     elif wrong == "overlap":  # outputs partly the memory of out, x or the residual
         overlap = draw(st.sampled_from([o for o in OVERLAPS if o != "residual~x"]))
+    elif form == "in-place serving form (out=x, residual_out=residual)":
+        out, residual_out = PAIRS[0]
     elif draw(st.integers(0, 5)) == 3:
         out, residual_out = draw(st.sampled_from(PAIRS))
     else:
@@ -394,7 +440,11 @@ def fused_calls(draw: st.DrawFn) -> Fused:
         residual_out = draw(
             st.sampled_from((None,) * 6 + RESIDUAL_OUT_LAYOUTS[family] + VALID_RESIDUAL_OUT)
         )
+        if form == "post-norm form (return_residual=False)":
+            residual_out = None  # the post-norm form writes no h
     residual_values = draw(st.sampled_from(RESIDUAL_VALUES))
+    if form == "h that rounds to x (a residual below half x's spacing)":
+        residual_values = "below_spacing"
     if residual_values == "below_spacing":
         call = dataclasses.replace(call, values="spaced")
     if residual == "overlaps_x":
