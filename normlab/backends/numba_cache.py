@@ -24,13 +24,20 @@ the functions it calls (compiled into it): an entry made before an edit to ``hal
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Final, cast
+
+try:
+    import fcntl
+except ImportError:  # Windows: no lock; entries may be lost to a race, never mixed up
+    fcntl = None  # type: ignore[assignment]
 
 from numba.core import caching, config
 from numba.core.dispatcher import Dispatcher
@@ -114,10 +121,56 @@ def backend_sources_digest() -> str:
     return sources_digest(Path(__file__).resolve().parent)
 
 
+class _EntryFiles(caching.IndexDataCacheFile):
+    """One kernel's index and data files, safe for processes that share the cache directory.
+
+    Numba names a new entry's data file ``<kernel>.<n>.nbc`` by the first number its index
+    does not use, reading and writing the index without a lock: two processes compiling two
+    signatures at once both take the same number, and the index can end up naming the other
+    signature's code, which is then loaded and called with the wrong array types (seen as
+    results that differ in the last bits, or worse). Here a data file is named by a digest of
+    its entry's key, so it only ever holds that entry, and is written before the index names
+    it; the index is read, updated and written under an exclusive lock on a file beside it, so
+    no process's entry is lost either. Loading is numba's."""
+
+    def __init__(self, cache_path: str, filename_base: str, source_stamp: Any) -> None:
+        super().__init__(cache_path, filename_base, source_stamp)  # type: ignore[no-untyped-call]
+        self._filename_base = filename_base
+
+    def save(self, key: Any, data: Any) -> None:
+        digest = hashlib.sha256(self._dump(key)).hexdigest()[:24]  # type: ignore[no-untyped-call]
+        name = f"{self._filename_base}.{digest}.nbc"
+        self._save_data(name, data)  # type: ignore[no-untyped-call]
+        with self._index_lock():
+            overloads = self._load_index()  # type: ignore[no-untyped-call]
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def _index_lock(self) -> Iterator[None]:
+        if fcntl is None:
+            yield
+            return
+        fd = os.open(f"{self._index_path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # and the lock with it
+
+
 class _KernelCache(caching.FunctionCache):
     """Numba's per-function cache, for a directory that may be read-only: a kernel that cannot
     be saved (or a cache that cannot be read) is compiled in the process instead of failing.
-    Entries are also keyed by :func:`backend_sources_digest`."""
+    Entries are also keyed by :func:`backend_sources_digest`, and saved by
+    :class:`_EntryFiles`, so processes may share the directory."""
+
+    def __init__(self, py_func: Any) -> None:
+        super().__init__(py_func)  # type: ignore[no-untyped-call]
+        self._cache_file = _EntryFiles(
+            self._cache_path, self._impl.filename_base, self._impl.locator.get_source_stamp()
+        )
 
     def _index_key(self, sig: Any, codegen: Any) -> Any:
         return (*super()._index_key(sig, codegen), backend_sources_digest())  # type: ignore[no-untyped-call]
@@ -173,7 +226,7 @@ def adopt(*modules: ModuleType) -> None:
                 _say_uncached(str(path), "cannot be created or read")
                 kernel._cache = caching.NullCache()
             else:
-                kernel._cache = _KernelCache(kernel.py_func)  # type: ignore[no-untyped-call]
+                kernel._cache = _KernelCache(kernel.py_func)
 
 
 def _install() -> None:
