@@ -33,6 +33,10 @@ EXAMPLE_PLUGIN = "./plugins/normlab-example"
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
 IMPORT_LINTER = "import-linter==2.16"
+#: The test sessions run their tests on every core (pytest-xdist; ``-- -n 0`` runs them in
+#: one process). Each worker compiles into a Numba cache of its own (tests/conftest.py).
+XDIST = "pytest-xdist==3.8.0"
+PARALLEL = ("-n", "auto")
 
 
 def _isolate(session: nox.Session) -> None:
@@ -46,25 +50,25 @@ def _isolate(session: nox.Session) -> None:
 def tests_numpy(session: nox.Session) -> None:
     """The tests with NumPy only: whatever needs torch, numba or cupy skips, saying why."""
     _isolate(session)
-    session.install(".[test]")
-    session.run("pytest", *session.posargs)
+    session.install(".[test]", XDIST)
+    session.run("pytest", *PARALLEL, *session.posargs)
 
 
 @nox.session(name="tests-all")
 def tests_all(session: nox.Session) -> None:
     """The tests with every backend library and the example plugin installed."""
     _isolate(session)
-    session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN)
+    session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN, XDIST)
     session.env["NORMLAB_REQUIRE_MODELS"] = "1"  # the MiniLM test must run, not skip
-    session.run("pytest", "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
+    session.run("pytest", *PARALLEL, "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
 
 @nox.session(name="plugin-jax")
 def plugin_jax(session: nox.Session) -> None:
     """The normlab-jax plugin, installed as a user would: its tests, the conformance suite too."""
     _isolate(session)
-    session.install(".[test]", "./plugins/normlab-jax[test]")
-    session.run("pytest", "plugins/normlab-jax", *session.posargs)
+    session.install(".[test]", "./plugins/normlab-jax[test]", XDIST)
+    session.run("pytest", *PARALLEL, "plugins/normlab-jax", *session.posargs)
 
 
 @nox.session(name="plugin-dask")
@@ -203,9 +207,9 @@ def boundscheck(session: nox.Session) -> None:
     """The conformance suite on numba, every kernel compiled afresh with bounds checks, on NumPy
     arrays and on CPU torch tensors (whose small calls take the kernels by address)."""
     _isolate(session)
-    session.install(".[test,numba,torch]")
+    session.install(".[test,numba,torch]", XDIST)
     session.env["NORMLAB_SLOW_TESTS"] = "1"
-    session.run("pytest", "tests/test_boundscheck.py", *session.posargs)
+    session.run("pytest", *PARALLEL, "tests/test_boundscheck.py", *session.posargs)
 
 
 @nox.session

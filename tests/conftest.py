@@ -18,8 +18,26 @@ import plugins_for_tests
 import pytest
 from hypothesis import settings
 
-import normlab
-from normlab import dispatch, registry, spec
+
+def _own_kernel_cache_per_xdist_worker() -> None:
+    """Under pytest-xdist, each worker compiles into a Numba cache directory of its own (below
+    the one it was given): workers filling one cache at once could leave kernels loaded in an
+    order that breaks the bitwise guarantees the tests check (see docs/reliability.md). Before
+    normlab or numba is imported: numba reads ``NUMBA_CACHE_DIR`` once."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    from normlab.backends.cache_dirs import cache_root  # imports neither numba nor a backend
+
+    base = os.environ.get("NUMBA_CACHE_DIR") or str(cache_root("numba") or "")
+    if base:
+        os.environ["NUMBA_CACHE_DIR"] = os.path.join(base, f"xdist-{worker}")
+
+
+_own_kernel_cache_per_xdist_worker()
+
+import normlab  # noqa: E402
+from normlab import dispatch, registry, spec  # noqa: E402
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
 settings.register_profile(

@@ -284,7 +284,8 @@ def test_plots_are_drawn(tmp_path: Path) -> None:
 def _tiny_matrix_run(saved: Path, matrix: str, budget: float, selection: str) -> dict[str, Any]:
     """Run the real matrix (``matrix``, ``budget`` minutes, tests matching ``selection``) in a
     subprocess saving to ``saved``; return the saved run."""
-    env = dict(os.environ)
+    # not a pytest-xdist worker's variables: pytest-benchmark would see one and time nothing
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     done = subprocess.run(
         [
