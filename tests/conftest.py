@@ -21,9 +21,10 @@ from hypothesis import settings
 
 def _own_kernel_cache_per_xdist_worker() -> None:
     """Under pytest-xdist, each worker compiles into a Numba cache directory of its own (below
-    the one it was given): workers filling one cache at once could leave kernels loaded in an
-    order that breaks the bitwise guarantees the tests check (see docs/reliability.md). Before
-    normlab or numba is imported: numba reads ``NUMBA_CACHE_DIR`` once."""
+    the one it was given). One shared cache would be safe (processes compile in turn: see
+    normlab.backends.numba_cache._CompileLock), but a worker would then wait for the other's
+    compiles, and the benchmark smoke tests' time budgets ran out waiting. Before normlab or
+    numba is imported: numba reads ``NUMBA_CACHE_DIR`` once."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
         return

@@ -3,7 +3,13 @@ neither lose nor mix up each other's entries."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -57,3 +63,77 @@ def test_normlab_kernels_save_through_the_shared_cache_files() -> None:
     if isinstance(cache, numba_cache.caching.NullCache):
         pytest.skip("no usable cache directory here: nothing is saved")
     assert isinstance(cache._cache_file, numba_cache._EntryFiles)
+
+
+#: A process that waits for the moment in argv, then makes a float64 call whose rows go to the
+#: parallel driver (which calls the serial kernel), and prints how many of the two kernels'
+#: signatures it compiled rather than loaded.
+COMPILING_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    import numpy as np
+    import normlab
+    from normlab.backends import numba_forward
+
+    while time.time() < float(sys.argv[1]):
+        time.sleep(0.001)
+    normlab.layer_norm(np.ones((64, 1024)), backend="numba")
+    kernels = (numba_forward.layer_norm_rows, numba_forward.layer_norm_rows_parallel)
+    print(json.dumps({
+        "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
+        "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
+    }))
+    """
+)
+
+
+def test_processes_compiling_at_once_take_turns(tmp_path: Path) -> None:
+    """Two processes that need the same two kernels at the same moment in a fresh cache: each
+    kernel is compiled by one of them and loaded by the other (numba alone compiles both in
+    both, and the cache's callers and callees then come from different processes: see
+    numba_cache._CompileLock)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_NUM_THREADS": "2"}
+    start_at = time.time() + 8.0  # after both have imported normlab and numba
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", COMPILING_CHILD, str(start_at)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    reports = []
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    assert time.time() > start_at
+    # each kernel compiled once, by either process, and loaded by the other
+    assert sum(r["compiled"] for r in reports) == 2, reports
+    assert sum(r["loaded"] for r in reports) == 2, reports
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_while_the_compile_lock_is_held_does_not_keep_it(tmp_path: Path) -> None:
+    """A DataLoader worker forked while another thread compiles must not hold the parent's
+    lock after the parent lets it go (else the parent's next compile waits for the child)."""
+    fcntl = pytest.importorskip("fcntl")
+    started, child_started = os.pipe()
+    with numba_cache._compile_lock.held(tmp_path):
+        pid = os.fork()
+        if pid == 0:  # the child: alive, holding whatever it inherited, until killed
+            os.write(child_started, b"!")  # after the at-fork handlers
+            time.sleep(60)
+            os._exit(0)
+    assert os.read(started, 1) == b"!"
+    fd = os.open(tmp_path / "compile.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+    finally:
+        os.close(fd)
+        os.close(started)
+        os.close(child_started)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)

@@ -16,6 +16,10 @@ directory, which may be read-only or shared.
   and the ``normlab.compile`` logger (:mod:`normlab.backends.compile_notices`:
   stderr by default, ``NORMLAB_QUIET=1`` silences it) says so once, at WARNING.
 
+Processes may share the directory: entries are saved by :class:`_EntryFiles` and compiled
+one process at a time (:class:`_CompileLock`), so concurrent first calls neither mix up
+entries nor leave callers and callees from different compiles.
+
 Numba keys a cache entry by the kernel's own bytecode and the CPU it was compiled for, not by
 the functions it calls (compiled into it): an entry made before an edit to ``half_bits.py`` or
 ``half_hw.py`` would keep the old conversions. So normlab's entries are also keyed by
@@ -39,7 +43,7 @@ try:
 except ImportError:  # Windows: no lock; entries may be lost to a race, never mixed up
     fcntl = None  # type: ignore[assignment]
 
-from numba.core import caching, config
+from numba.core import caching, config, sigutils
 from numba.core.dispatcher import Dispatcher
 
 from normlab.backends.cache_dirs import access, cache_root, make_private_dirs
@@ -209,9 +213,88 @@ def _say_uncached(path: str, why: object) -> None:
     )
 
 
+class _CompileLock:
+    """Compiling and saving normlab's kernels, one process at a time per cache directory.
+
+    numba names a compiled function's symbol with a per-process counter (``...B2v7...``), and a
+    kernel that calls another (a parallel driver, an address entry) is saved calling its
+    callee by that name. Two processes that compile into one fresh cache at once save callees
+    and callers with different numbers; a later process that loads them finds no callee of the
+    name its caller wants, so the caller runs its own copy of the callee, optimized in the
+    caller's context: rows 1 ulp off the serial path's, results depending on the thread count,
+    in every later process. Under this lock (an exclusive ``flock`` on ``compile.lock`` in the
+    cache root, taken only when a kernel has no overload for the signature in this process) a
+    process looks in the cache, and compiles and saves only what is still missing, so the
+    entries of one cache are consistent. Re-entrant: compiling a driver compiles its callees.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._fd: int | None = None
+
+    @contextlib.contextmanager
+    def held(self, root: Path) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._fd = self._take(root)
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._fd is not None:
+                    os.close(self._fd)  # and the lock with it
+                    self._fd = None
+
+    @staticmethod
+    def _take(root: Path) -> int | None:
+        """The locked file's descriptor; ``None`` where no lock can be had (no ``fcntl``, a
+        cache that cannot be written: nothing is saved there, so there is nothing to order)."""
+        if fcntl is None:
+            return None
+        try:
+            fd = os.open(root / "compile.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def reset_after_fork(self) -> None:
+        """A forked child holds no lock, whatever thread of its parent held it, and closes its
+        copy of the parent's locked file (else the parent's lock would outlive its own close,
+        held by the open file they share, until the child exits)."""
+        if self._fd is not None:
+            os.close(self._fd)
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._fd = None
+
+
+_compile_lock = _CompileLock()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_compile_lock.reset_after_fork)
+
+
+def _compile_in_order(kernel: Any, root: Path) -> None:
+    """Make ``kernel.compile`` (numba's entry to load-or-compile a signature) take
+    :data:`_compile_lock` unless the signature is already in this process."""
+    compile_unlocked = kernel.compile
+
+    def compile_locked(sig: Any) -> Any:
+        args, _ = sigutils.normalize_signature(sig)  # type: ignore[no-untyped-call]
+        if tuple(args) in kernel.overloads:
+            return compile_unlocked(sig)
+        with _compile_lock.held(root):
+            return compile_unlocked(sig)
+
+    kernel.compile = compile_locked
+
+
 def adopt(*modules: ModuleType) -> None:
     """Give each ``cache=True`` kernel defined in ``modules`` the cache its directory allows:
-    read and write, read only, or none (compiled in process, said once)."""
+    read and write, read only, or none (compiled in process, said once); a writable cache's
+    kernels compile in order with other processes' (:class:`_CompileLock`)."""
     for module in modules:
         for kernel in vars(module).values():
             if not (
@@ -222,11 +305,15 @@ def adopt(*modules: ModuleType) -> None:
                 continue
             kernel = cast(Any, kernel)
             path = Path(kernel._cache.cache_path)
-            if access(path) == "none":
+            can = access(path)
+            if can == "none":
                 _say_uncached(str(path), "cannot be created or read")
                 kernel._cache = caching.NullCache()
-            else:
-                kernel._cache = _KernelCache(kernel.py_func)
+                continue
+            kernel._cache = _KernelCache(kernel.py_func)
+            root = kernel_cache_root()
+            if can == "write" and root is not None:
+                _compile_in_order(kernel, root)
 
 
 def _install() -> None:
