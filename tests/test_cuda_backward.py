@@ -641,6 +641,7 @@ def test_normlab_kernels_lists_the_backward_kernels(
     cache = getattr(request.config, "cache", None)  # the cubins test_cuda_kernels.py compiles
     cubins = tmp_path if cache is None else Path(cache.mkdir("normlab-cubins"))
     monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cubins))
+    monkeypatch.setenv("COLUMNS", "200")  # names unshortened, whatever width the runner set
     assert cli.main(["kernels", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out
     names = [s.name for s in cuda_launch.all_specialisations() if s.op in BACKWARD_OPS]
