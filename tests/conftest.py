@@ -10,10 +10,12 @@ the example database (``.hypothesis/``), for hunting by hand.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import plugins_for_tests
 import pytest
 from hypothesis import settings
@@ -55,6 +57,23 @@ def _prefer_numpy_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     dispatch.clear_caches()
     yield
     dispatch.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _module_rng_seeded_by_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test module's ``RNG`` (a NumPy Generator) starts each test seeded by the test's own
+    name, so a test draws the same data whichever tests ran before it in its process (under
+    pytest-xdist, that differs from run to run) and one commit gives one verdict."""
+    module = request.module
+    if not isinstance(getattr(module, "RNG", None), np.random.Generator):
+        yield
+        return
+    shared = module.RNG
+    module.RNG = np.random.default_rng(
+        zlib.crc32(f"{module.__name__}::{request.node.name}".encode())
+    )
+    yield
+    module.RNG = shared
 
 
 @pytest.fixture

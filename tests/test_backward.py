@@ -2,8 +2,8 @@
 
 Each backend that lists ``layer_norm_backward`` in its record runs on its array families: numpy
 and numba on NumPy arrays, torch on tensors, numba on CPU tensors (named explicitly). Gradients
-are compared with float64 oracles within the tolerance table of ``normlab.testing``, scaled for
-the backward formula (see :func:`_dx_scale`).
+are compared with the suite's float64 oracles within the tolerance table of ``normlab.testing``,
+scaled for the backward formula (:func:`normlab.testing.tolerances.gradient_scales`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 import normlab
 from normlab import dispatch, reference, registry, spec
+from normlab.testing import backward_reference
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close
 
@@ -153,48 +154,13 @@ def _forward_backend(s: Subject, op: str) -> str:
 
 
 def _oracle(case: Case) -> dict[str, np.ndarray]:
-    """Exact gradients by the formula, in float64 NumPy (checked against finite differences in
-    :func:`test_oracle_matches_finite_differences`), plus what the tolerances scale with.
-
-    As for ``y`` in the tolerance table, an error in x̂ is proportional to ``1 + |x̂|`` (times
-    the row's conditioning): the scales of dx and dweight follow the formula with that factor.
-    """
-    nd = case.x.ndim
-    batch = tuple(a for a in range(nd) if a not in case.axes)
-    order = batch + case.axes
-    x = case.x.astype(np.float64).transpose(order)
-    dy = case.dy.astype(np.float64).transpose(order)
-    cols = math.prod(x.shape[len(batch) :])
-    x2 = x.reshape(-1, cols)
-    dy2 = dy.reshape(-1, cols)
-    w = np.ones(cols) if case.weight is None else case.weight.astype(np.float64).reshape(-1)
-    if case.op == "layer_norm":
-        _, mean, rstd = reference.layer_norm(x2, None, None, None, case.eps)
-    else:
-        _, rstd = reference.rms_norm(x2, None, None, case.eps)
-        mean = np.zeros_like(rstd)
-    xhat = (x2 - mean) * rstd
-    g = dy2 * w
-    mean_g = g.mean(axis=1, keepdims=True) if case.op == "layer_norm" else 0.0
-    mean_gx = (g * xhat).mean(axis=1, keepdims=True)
-    dx2 = rstd * (g - mean_g - xhat * mean_gx)
-    inverse = tuple(int(i) for i in np.argsort(order))
-    norm_shape = tuple(case.x.shape[a] for a in case.axes)
-
-    def restore(a: np.ndarray) -> np.ndarray:
-        return a.reshape(x.shape).transpose(inverse)
-
-    return {
-        "x": restore(dx2),
-        "weight": (dy2 * xhat).sum(axis=0).reshape(norm_shape),
-        "bias": dy2.sum(axis=0).reshape(norm_shape),
-        "x_scale": restore(
-            rstd * (np.abs(g) + np.abs(mean_g) + (1 + np.abs(xhat)) * np.abs(mean_gx))
-        ),
-        "weight_scale": (np.abs(dy2) * (1 + np.abs(xhat))).sum(axis=0).reshape(norm_shape),
-        "bias_scale": np.abs(dy2).sum(axis=0).reshape(norm_shape),
-        "conditioning": restore(np.broadcast_to(1.0 + np.abs(mean) * rstd, x2.shape)),
-    }
+    """Exact gradients in float64 and what their tolerances scale with: the suite's oracle
+    (:func:`normlab.testing.backward_reference.gradients`), checked against finite differences
+    here in :func:`test_oracle_matches_finite_differences`. Keys: the gradients' names, each
+    with ``_scale`` too, and ``"conditioning"``."""
+    want = backward_reference.gradients(case.op, case.x, case.dy, case.weight, case.eps, case.axes)
+    scales = {f"{name}_scale": scale for name, scale in want.scales.items()}
+    return {**want.gradients, **scales, "conditioning": want.conditioning}
 
 
 def _grad_dtype(case: Case) -> str:
