@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -101,6 +102,19 @@ def register() -> Iterator[Callable[..., ModuleType]]:
     plugins_for_tests.CALLS.clear()
     spec.clear_cache()
     dispatch.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def cuda_cache_root(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A ``NORMLAB_CACHE_DIR`` whose ``cuda`` folder holds the cubins every NVRTC test shares
+    (compiling all kernels for one architecture takes more than a minute): in pytest's cache,
+    so they persist between runs and between xdist workers, else a temporary folder."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return tmp_path_factory.mktemp("normlab-cache")
+    return Path(cache.mkdir("normlab-cubins"))
 
 
 @pytest.fixture(params=["numpy", "torch"])

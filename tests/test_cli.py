@@ -432,11 +432,17 @@ def test_no_command_imports_neither_numba_nor_cupy(how: str) -> None:
     assert "HEAVY: []" in result.stdout
 
 
-def test_kernels(wide: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_kernels(
+    wide: None,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    cuda_cache_root: Path,
+) -> None:
     cuda_compile = pytest.importorskip("normlab.backends.cuda_compile")
     problem = cuda_compile.nvrtc_problem()
     if problem is not None:
         pytest.skip(problem)
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cuda_cache_root))  # the NVRTC tests' cubins
     status = cli.main(["kernels", "--arch", "sm_90"])
     out = capsys.readouterr().out
     reports = cuda_compile.compile_all("sm_90")  # from the cache the command filled

@@ -629,18 +629,13 @@ def test_the_core_runs_cupy_through_the_custom_ops(torch_plan: Any) -> None:
 
 
 def test_normlab_kernels_lists_the_backward_kernels(
-    request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cuda_cache_root: Path
 ) -> None:
     if cuda_compile.nvrtc_problem() is not None:
         pytest.skip(f"NVRTC is unavailable: {cuda_compile.nvrtc_problem()}")
     from normlab import cli
 
-    cache = getattr(request.config, "cache", None)  # the cubins test_cuda_kernels.py compiles
-    cubins = tmp_path if cache is None else Path(cache.mkdir("normlab-cubins"))
-    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cubins))
+    monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cuda_cache_root))  # the NVRTC tests' cubins
     monkeypatch.setenv("COLUMNS", "200")  # names unshortened, whatever width the runner set
     assert cli.main(["kernels", "--arch", "sm_90"]) == 0
     out = capsys.readouterr().out

@@ -48,12 +48,9 @@ def _nvrtc_or_skip() -> None:
 
 
 @pytest.fixture(scope="module")
-def cubin_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Cubins persist in pytest's cache between sessions (a temporary folder without one)."""
-    cache = getattr(request.config, "cache", None)
-    if cache is None:
-        return tmp_path_factory.mktemp("cubins")
-    return Path(cache.mkdir("normlab-cubins"))
+def cubin_cache(cuda_cache_root: Path) -> Path:
+    """The cubins the NVRTC tests share (tests/conftest.py)."""
+    return cuda_cache_root / "cuda"
 
 
 @pytest.fixture(scope="module", params=ARCHS)
