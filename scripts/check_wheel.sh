@@ -2,9 +2,9 @@
 # The installed wheel: build the sdist and, from it, the wheel, out of a clean copy of the source
 # tree (the files git tracks or would track); install the wheel (with the test
 # and numba extras) into a fresh virtual environment; then, from a folder where the source tree
-# is not importable, check that every CUDA source is inside the installed package and run the
-# conformance suite on the numpy, numba and array_api backends. An editable install hides
-# missing package data; this does not.
+# is not importable, check that every CUDA source is inside the installed package, run the
+# conformance suite on the numpy and array_api backends and compile numba's float32 kernels.
+# An editable install hides missing package data; this does not.
 #
 # Usage: scripts/check_wheel.sh [PYTHON]      PYTHON (default python3) needs `build` installed:
 #                                             python3 -m pip install build
@@ -64,10 +64,14 @@ assert installed == expected, f"installed kernels {installed}, source tree {expe
 print(f"normlab {normlab.__version__} from {package}; kernels: {', '.join(installed)}")
 EOF
 
-for backend in numpy numba array_api; do
+for backend in numpy array_api; do
     echo "== conformance suite on $backend, from the installed wheel"
     "$venv_python" -m normlab check "$backend" -- -q
 done
+# Every numba kernel module imports and compiles from the installed package (the suite on numba
+# runs in the tests sessions; the kernels' code is the same files).
+echo "== numba's float32 kernels (forward, backward, fused) compile from the installed wheel"
+"$venv_python" -m normlab warmup --dtypes float32
 echo "== the kernels were cached in \$NORMLAB_CACHE_DIR/numba, nothing in the installed package"
 package=$("$venv_python" -c 'import normlab, pathlib; print(pathlib.Path(normlab.__file__).parent)')
 written=$(find "$package" -name '*.nbi' -o -name '*.nbc')
