@@ -36,6 +36,7 @@ class FusedRoute:
 
     function: Any
     direct: bool
+    prepared: Any  # the backend's prepared function of the direct route, or None
     copies: dict[str, str | None]
     out_direct: bool
     residual_out_direct: bool
@@ -79,9 +80,12 @@ def run(
     r = call.routes.get(choice.backend)
     try:
         if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
-            y, h, _, _ = r.function(
-                x, residual, weight, bias, plan=plan, out=None, residual_out=None
-            )
+            if r.prepared is not None:
+                y, h, _, _ = r.prepared(x, residual, weight, bias)
+            else:
+                y, h, _, _ = r.function(
+                    x, residual, weight, bias, plan=plan, out=None, residual_out=None
+                )
             return (y, h) if plan.return_residual else y
         return _run(call, choice, aliasing, x, residual, weight, bias, out, residual_out)
     except NormlabError:
@@ -117,19 +121,21 @@ def route(call: Layout, choice: Choice) -> FusedRoute:
     caps = backend.capabilities
     copies = {name: layout.copy_reason(name, call, backend) for name in ("x", "residual")}
     writes = "out" in caps and not plan.requires_grad  # else the core copies (autograd records)
+    direct = (
+        not any(copies.values())
+        and call.permutation is None
+        and len(plan.axes) == 1
+        and plan.shape == (plan.rows, plan.cols)
+        and not call.has_out
+        and not call.has_residual_out
+        and not plan.return_stats
+        and not plan.empty
+        and not call.non_native
+    )
     result = FusedRoute(
         function=backend.function(plan.op),
-        direct=(
-            not any(copies.values())
-            and call.permutation is None
-            and len(plan.axes) == 1
-            and plan.shape == (plan.rows, plan.cols)
-            and not call.has_out
-            and not call.has_residual_out
-            and not plan.return_stats
-            and not plan.empty
-            and not call.non_native
-        ),
+        direct=direct,
+        prepared=backend.prepared(plan.op, plan) if direct else None,
         copies=copies,
         out_direct=call.has_out and writes and layout.reads(caps, call.out_strides, plan),
         residual_out_direct=(

@@ -36,7 +36,14 @@ and ``add_rms_norm`` likewise (``bias`` always None) returning ``(y, h, None, rs
 ``from_numpy(ndarray, like=None)`` (the conformance suite drives every backend through these
 two; ``like`` is an array whose device the result should share). Optionally
 ``explain(x, *, plan) -> str``: lines that :func:`normlab.explain` adds about this backend's
-handling of ``x`` (a rechunk, a copy).
+handling of ``x`` (a rechunk, a copy). Optionally ``prepare(op, plan) -> f | None``: for a
+forward call whose x-like inputs the backend reads as they are, without ``out``,
+``residual_out`` or statistics, a function of the op's arrays (``f(x, weight, bias)``, for the
+fused ops ``f(x, residual, weight, bias)``) returning exactly what the op's function returns
+for them with its outputs None. The core asks once per call layout and calls ``f`` for every
+later call of that layout (None: the op's function, as without ``prepare``), so ``f`` does the
+plan's work once; it checks what the plan does not settle (strides, alignment, a weight to
+convert) and hands such calls to the op's function.
 
 A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the
 arrays of its ``families``: how normlab reads their metadata (dtype, shape, strides, device) and

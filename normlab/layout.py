@@ -39,6 +39,7 @@ class Route:
 
     function: Any
     direct: bool
+    prepared: Any  # the backend's prepared function of the direct route, or None
     copy_x: str | None
     out_direct: bool
     inplace_ok: bool
@@ -85,18 +86,20 @@ def route(call: Layout, choice: Choice) -> Route:
     plan = call.plan
     caps = backend.capabilities
     copy_x = copy_reason("x", call, backend)
+    direct = (
+        copy_x is None
+        and call.permutation is None
+        and len(plan.axes) == 1
+        and plan.shape == (plan.rows, plan.cols)
+        and not call.has_out
+        and not plan.return_stats
+        and not plan.empty
+        and not call.non_native
+    )
     result = Route(
         function=backend.function(plan.op),
-        direct=(
-            copy_x is None
-            and call.permutation is None
-            and len(plan.axes) == 1
-            and plan.shape == (plan.rows, plan.cols)
-            and not call.has_out
-            and not plan.return_stats
-            and not plan.empty
-            and not call.non_native
-        ),
+        direct=direct,
+        prepared=backend.prepared(plan.op, plan) if direct else None,
         copy_x=copy_x,
         # with an input that requires grad, the core copies the result into out (recorded by
         # autograd): a backend writing out itself would leave the graph
@@ -164,6 +167,8 @@ def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) 
     r = call.routes.get(choice.backend)
     try:
         if r is not None and r.direct:  # 2-D rows readable as they are: no views to make
+            if r.prepared is not None:
+                return r.prepared(x, weight, bias)[0]
             return r.function(x, weight, bias, plan=call.plan, out=None)[0]
         return _run(call, choice, r, x, weight, bias, out)
     except NormlabError:

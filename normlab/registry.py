@@ -213,6 +213,12 @@ class Backend:
             )
         return fn  # type: ignore[no-any-return]
 
+    def prepared(self, op: str, plan: Any) -> Callable[..., Any] | None:
+        """The backend's function for the direct route of ``plan`` (its optional ``prepare``;
+        see :mod:`normlab.hookspecs`), or None: its function for ``op``."""
+        prepare = getattr(self.module, "prepare", None)
+        return None if prepare is None else prepare(op, plan)
+
     def to_numpy(self, a: Any) -> Any:
         """Convert an array of this backend's family to NumPy (used by the conformance suite)."""
         return self.module.to_numpy(a)

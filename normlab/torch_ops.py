@@ -618,6 +618,11 @@ class InGraph(Backend):
         self.served.function(op)  # the backend must define it: the op calls it
         return functools.partial(_IN_GRAPH[op], backend=self.name)
 
+    def prepared(self, op: str, plan: Any) -> None:
+        """None: every call goes through the custom op (the served backend's prepared
+        functions would leave the graph)."""
+        return None
+
 
 _wrapped: dict[Choice, Choice] = {}
 
