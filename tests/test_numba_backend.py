@@ -21,7 +21,7 @@ import pytest
 numba = pytest.importorskip("numba")
 
 import normlab  # noqa: E402
-from normlab import reference, spec  # noqa: E402
+from normlab import reference, registry, spec  # noqa: E402
 from normlab.backends import (  # noqa: E402
     half_bits,
     numba_backend,
@@ -784,9 +784,12 @@ def address_entries(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return recording
 
     monkeypatch.setattr(numba_backend, "_entry_point", recording_entry_point)
-    numba_backend._kernel_types.cache_clear()  # entry points taken before: taken anew
+    # entry points taken before, and the prepared functions holding them: taken anew
+    numba_backend._kernel_types.cache_clear()
+    spec.clear_cache()
     yield called
     numba_backend._kernel_types.cache_clear()  # the recording ones go
+    spec.clear_cache()
 
 
 _SMALL_SHAPES = [(1, 1), (1, 768), (3, 5), (7, 1000), (40, 768)]
@@ -912,3 +915,118 @@ def test_an_integer_eps_first_does_not_fix_the_entry_points_eps_type(torch: Any)
     got = numba_backend.layer_norm(x, None, None, plan=plan, out=None)[0]
     want = normlab.layer_norm(x.numpy(), backend="numba")
     assert np.array_equal(got.numpy(), want)
+
+
+# --------------------------------------------------------------------------------------------
+# The direct route's prepared functions (numba_backend.prepare)
+
+
+def _direct_cases(family: str, dtype: str) -> list[tuple[str, Any, Any, Any]]:
+    """Small calls of the direct route, as (name, x, weight, bias): ones the prepared function
+    runs itself, and ones it hands back to the op's function (a weight to convert or copy, a
+    misaligned tensor)."""
+    import torch
+
+    half = dtype in ("float16", "bfloat16")
+    x = torch.from_numpy(_data((3, 768), "float32", loc=2.0)).to(getattr(torch, dtype))
+    w = torch.randn(768, dtype=torch.float32 if half else x.dtype)
+    b = torch.randn(768, dtype=w.dtype)
+    cases = [
+        ("weight and bias", x, w, b),
+        ("neither", x, None, None),
+        ("strided weight", x, torch.stack([w, w], 1)[:, 0], b),
+        ("x's dtype for weight", x, w.to(x.dtype), b.to(x.dtype)),
+    ]
+    if family == "numpy":
+        return [
+            (name, *(None if a is None else _as_numpy_array(a) for a in c)) for name, *c in cases
+        ]
+    misaligned = torch.frombuffer(bytearray(x.numel() * x.itemsize + 1), dtype=x.dtype, offset=1)
+    misaligned = misaligned.view(3, 768)
+    misaligned.copy_(x)
+    return [*cases, ("misaligned x", misaligned, w, b)]
+
+
+def _recording(function: Callable[..., Any], calls: list[str], name: str) -> Callable[..., Any]:
+    """``function``, appending ``name`` to ``calls`` on each call."""
+
+    def recording(*args: Any) -> Any:
+        calls.append(name)
+        return function(*args)
+
+    return recording
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are both None or arrays (or tensors) of the same type and bytes."""
+    if a is None or b is None:
+        return a is b
+    as_bytes = [
+        (t if isinstance(t, np.ndarray) else _as_numpy_array(t)).view(np.uint8) for t in (a, b)
+    ]
+    return type(a) is type(b) and np.array_equal(*as_bytes)
+
+
+@pytest.mark.parametrize("family", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_small_direct_calls_run_the_prepared_function_bitwise_the_op(
+    torch: Any, family: str, dtype: str, op: str
+) -> None:
+    """A small call that takes the direct route (inputs read as they are, no outputs given, no
+    statistics) runs the function ``prepare`` made for its plan, which returns bitwise what the
+    op's own function returns, also where it hands the call back to it."""
+    _dtype(dtype)
+    fused, centred = op.startswith("add_"), "layer_norm" in op
+    function = getattr(numba_backend, op)
+    numba_record = registry.get("numba")
+    for name, x, w, b in _direct_cases(family, dtype):
+        bias, eps = (b, 1e-5) if centred else (None, None)  # the functions' defaults
+        params = {"weight": w} | ({"bias": b} if centred else {})
+        for keep_h in (True, False) if fused else (False,):
+            case = f"{name}, h kept" if keep_h else name
+            if fused:
+                inputs = (x, x * 2)  # x and a residual
+                call = spec.validated_fused(
+                    op, *inputs, None, w, bias, eps, None, False, keep_h, None, None
+                )
+                keywords = {"return_residual": keep_h}
+                outputs = {"out": None, "residual_out": None}
+            else:
+                inputs = (x,)
+                call = spec.validated(op, x, None, w, bias, eps, None, False, None)
+                keywords, outputs = {}, {"out": None}
+            run = getattr(normlab, op)
+            for _ in range(2):  # the first call compiles (or loads) the entry, the second reads it
+                got = run(*inputs, **params, **keywords, backend="numba")
+            route = call.routes[numba_record]
+            assert route.prepared is not None, case
+            ran: list[str] = []  # the core calls the route's prepared function
+            call.routes[numba_record] = dataclasses.replace(
+                route, prepared=_recording(route.prepared, ran, case)
+            )
+            try:
+                again = run(*inputs, **params, **keywords, backend="numba")
+            finally:
+                call.routes[numba_record] = route
+            assert ran == [case]
+            want = function(*inputs, w, bias, plan=call.plan, **outputs)
+            prepared = route.prepared(*inputs, w, bias)
+            assert len(prepared) == len(want), case
+            assert all(_same_bits(p, v) for p, v in zip(prepared, want, strict=True)), case
+            returned = want[:2] if keep_h else want[:1]
+            for result in (got, again):
+                result = result if keep_h else (result,)
+                assert all(_same_bits(r, v) for r, v in zip(result, returned, strict=True)), case
+
+
+def test_prepare_leaves_calls_it_does_not_serve_to_the_op(torch: Any) -> None:
+    """No prepared function for calls on the thread pool, calls that need autograd's graph, or
+    the backward ops: the op's function runs them."""
+    small, large = torch.randn(2, 768), torch.randn(64, 1024)  # large: above SERIAL_ELEMENTS
+    for x, served in ((small, True), (large, False), (small.clone().requires_grad_(), False)):
+        plan = spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, None)
+        assert (numba_backend.prepare("layer_norm", plan) is not None) == served
+    plan = spec.plan("layer_norm", small.numpy(), None, None, None, 1e-5, None, False, None)
+    assert numba_backend.prepare("layer_norm", plan) is not None
+    assert numba_backend.prepare("layer_norm_backward", plan) is None

@@ -35,6 +35,7 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -83,6 +84,7 @@ __all__ = [
     "layer_norm",
     "layer_norm_backward",
     "load_serial_first",
+    "prepare",
     "rms_norm",
     "rms_norm_backward",
     "threading_layer",
@@ -271,6 +273,166 @@ def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[
     """
     y, _, rstd = _normalize(x, weight, None, plan, out, centre=False)
     return y, None, rstd
+
+
+def prepare(op: str, plan: Plan) -> Callable[..., Any] | None:
+    """The direct route's function of ``plan`` (see :mod:`normlab.hookspecs`): for a call that
+    runs on the calling thread (:func:`_serial`) without grad, the serial kernel with the plan's
+    work done once; else None. It hands the op's function any call whose arguments it does not
+    read as the kernel does (a weight to convert, a misaligned or strided tensor)."""
+    if op not in _PREPARED or plan.requires_grad:
+        return None
+    k = _kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
+    if not _serial(plan, k) or plan.rows * plan.cols * k.element.itemsize >= output_pool.MIN_BYTES:
+        return None  # threads, or outputs the pool would give
+    make = _PREPARED[op].get(plan.family)
+    return None if make is None else make(plan, k, op in ("layer_norm", "add_layer_norm"))
+
+
+def _prepared_array_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
+    """:func:`prepare` of the norms for NumPy arrays: :func:`_normalize` of a serial call
+    without out or statistics, the same kernel on the same arguments."""
+    function = layer_norm if centre else rms_norm
+    compute, bits, shape = k.compute, k.bits, (plan.rows, plan.cols)
+    tail: tuple[Any, ...] = (plan.eps, k.no_stats, k.no_stats, centre, 0, plan.rows)
+
+    def normalize_rows(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None]:
+        params = _array_params(weight, bias, k, compute)
+        if params is None:
+            return function(x, weight, bias, plan=plan, out=None)
+        y = np.empty(shape, x.dtype)
+        if bits is None:
+            layer_norm_rows(x, y, *params, *tail)
+        else:
+            layer_norm_rows(x.view(bits), y.view(bits), *params, *tail)
+        return y, None, None
+
+    return normalize_rows
+
+
+def _prepared_array_add_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
+    """:func:`prepare` of the fused ops for NumPy arrays: :func:`_add_normalize` of a serial
+    call without outputs given or statistics, the same kernel on the same arguments."""
+    function = add_layer_norm if centre else add_rms_norm
+    compute, bits, shape, keep_h = k.compute, k.bits, (plan.rows, plan.cols), plan.return_residual
+    tail: tuple[Any, ...] = (plan.eps, k.no_stats, k.no_stats, centre, 0, plan.rows)
+
+    def add_normalize_rows(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...]:
+        params = _array_params(weight, bias, k, compute)
+        if params is None:
+            return function(x, residual, weight, bias, plan=plan, out=None, residual_out=None)
+        y = np.empty(shape, x.dtype)
+        h = np.empty(shape, x.dtype) if keep_h else None
+        if bits is None:
+            add_norm_rows(x, residual, y, h, *params, *tail)
+        else:
+            h_bits: Any = None if h is None else h.view(bits)
+            add_norm_rows(x.view(bits), residual.view(bits), y.view(bits), h_bits, *params, *tail)
+        return y, h, None, None
+
+    return add_normalize_rows
+
+
+def _array_params(weight: Any, bias: Any, k: _KernelTypes, compute: Any) -> tuple[Any, Any] | None:
+    """Weight and bias as the serial kernels read them (the stand-ins for absent ones), or None
+    when one must be converted first (:func:`_parameter`: another dtype, not C-contiguous)."""
+    if weight is None:
+        weight = k.ones
+    elif not (weight.dtype == compute and weight.flags.c_contiguous):
+        return None
+    if bias is None:
+        bias = k.zeros
+    elif not (bias.dtype == compute and bias.flags.c_contiguous):
+        return None
+    return weight, bias
+
+
+def _prepared_tensor_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
+    """:func:`prepare` of the norms for CPU tensors: :func:`_normalize_at` without out or
+    statistics, for C-contiguous aligned tensors and weights of the compute dtype."""
+    function = layer_norm if centre else rms_norm
+    empty_like, itemsize = _torch().empty_like, k.element.itemsize
+    head = (k.element, k.compute_like)
+    tail = (plan.rows, plan.cols, float(plan.eps), k.no_stats, k.no_stats, centre, 0, plan.rows)
+    entry = k.entries.get("layer_norm_rows_at")
+
+    def normalize_rows(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None]:
+        nonlocal entry
+        x_at = x.data_ptr()
+        params = _tensor_params(weight, bias, k)
+        if entry is None or params is None or x_at % itemsize or not x.is_contiguous():
+            result = function(x, weight, bias, plan=plan, out=None)  # compiles the entry
+            entry = k.entries.get("layer_norm_rows_at")
+            return result
+        y = empty_like(x)
+        entry(*head, x_at, y.data_ptr(), *params, *tail)
+        return y, None, None
+
+    return normalize_rows
+
+
+def _prepared_tensor_add_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
+    """:func:`prepare` of the fused ops for CPU tensors: :func:`_add_normalize_at` without
+    outputs given or statistics, for C-contiguous aligned tensors and weights of the compute
+    dtype."""
+    function = add_layer_norm if centre else add_rms_norm
+    empty_like, itemsize, keep_h = _torch().empty_like, k.element.itemsize, plan.return_residual
+    name = "add_norm_rows_at with h" if keep_h else "add_norm_rows_at"
+    head = (k.element, k.compute_like, k.element if keep_h else None)
+    tail = (plan.rows, plan.cols, float(plan.eps), k.no_stats, k.no_stats, centre, 0, plan.rows)
+    entry = k.entries.get(name)
+
+    def add_normalize_rows(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...]:
+        nonlocal entry
+        x_at, r_at = x.data_ptr(), residual.data_ptr()
+        params = _tensor_params(weight, bias, k)
+        if (
+            entry is None
+            or params is None
+            or (x_at | r_at) % itemsize  # itemsize is a power of two
+            or not x.is_contiguous()
+            or not residual.is_contiguous()
+        ):
+            result = function(x, residual, weight, bias, plan=plan, out=None, residual_out=None)
+            entry = k.entries.get(name)
+            return result
+        y = empty_like(x)
+        h = empty_like(x) if keep_h else None
+        h_at = 0 if h is None else h.data_ptr()
+        entry(*head, x_at, r_at, y.data_ptr(), h_at, *params, *tail)
+        return y, h, None, None
+
+    return add_normalize_rows
+
+
+def _tensor_params(weight: Any, bias: Any, k: _KernelTypes) -> tuple[int, int] | None:
+    """The addresses of weight and bias as the address entries read them (the stand-ins' for
+    absent ones), or None when one must be converted first (:func:`_tensor_address`: another
+    dtype, strided, misaligned)."""
+    compute = _torch_compute(k.compute)
+    size = k.compute.itemsize
+    if weight is None:
+        w_at = k.ones_at
+    else:
+        w_at = weight.data_ptr()
+        if weight.dtype is not compute or w_at % size or not weight.is_contiguous():
+            return None
+    if bias is None:
+        b_at = k.zeros_at
+    else:
+        b_at = bias.data_ptr()
+        if bias.dtype is not compute or b_at % size or not bias.is_contiguous():
+            return None
+    return w_at, b_at
+
+
+#: The functions :func:`prepare` makes, by op and family (``centre`` tells the two norms apart).
+_PREPARED: Final[dict[str, dict[str, Callable[[Plan, _KernelTypes, bool], Any]]]] = {
+    "layer_norm": {"numpy": _prepared_array_rows, "torch": _prepared_tensor_rows},
+    "rms_norm": {"numpy": _prepared_array_rows, "torch": _prepared_tensor_rows},
+    "add_layer_norm": {"numpy": _prepared_array_add_rows, "torch": _prepared_tensor_add_rows},
+    "add_rms_norm": {"numpy": _prepared_array_add_rows, "torch": _prepared_tensor_add_rows},
+}
 
 
 def _normalize(
