@@ -43,6 +43,8 @@ FLAWS: Final = {
     "which is x's memory in place",
     "writes_into_x": "normalizes a C-contiguous x in x's own memory when given no out, then "
     "copies y out of it",
+    "prepared_one_ulp_off": "prepares, for the direct route, a function whose y is its "
+    "layer_norm's y with the last bit of every element flipped (within every tolerance)",
     "rows_past_65535": "leaves rows from 65,536 on untouched (y zero, statistics zero)",
     "drops_tail_block": "works in blocks of 32,768 rows and drops the last partial block",
     "stats_wrap_65536": "writes the statistics of rows from 65,536 on over rows 0, 1, …: "
@@ -79,6 +81,7 @@ MUTANTS: Final = tuple(flaw for flaw in FLAWS if flaw != "control")
 ONLY: Final = {
     "reads_x_after_writing": "in_place",
     "writes_into_x": "x_never_modified",
+    "prepared_one_ulp_off": "x_never_modified",
     "rows_past_65535": "boundary_shapes",
     "drops_tail_block": "boundary_shapes",
     "stats_wrap_65536": "boundary_shapes",
@@ -456,7 +459,22 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module.add_rms_norm = functools.partial(add_rms_norm, flaw=flaw)  # type: ignore[attr-defined]
     module.to_numpy = to_numpy  # type: ignore[attr-defined]
     module.from_numpy = from_numpy  # type: ignore[attr-defined]
+    if flaw == "prepared_one_ulp_off":
+        module.prepare = _prepare_one_ulp_off  # type: ignore[attr-defined]
     return module
+
+
+def _prepare_one_ulp_off(op: str, plan: Plan) -> Any:
+    """The ``prepare`` of the prepared_one_ulp_off flaw: layer_norm with y's last bits flipped."""
+    if op != "layer_norm":
+        return None
+
+    def one_ulp_off(x: np.ndarray, weight: Any, bias: Any) -> tuple[np.ndarray, None, None]:
+        y = layer_norm(x, weight, bias, plan=plan, out=None)[0]
+        bits = y.view(f"u{y.itemsize}")
+        return (bits ^ bits.dtype.type(1)).view(y.dtype), None, None
+
+    return one_ulp_off
 
 
 @contextmanager

@@ -124,7 +124,8 @@ def test_x_never_modified_on_the_direct_path(
     normlab_subject: Subject, op: str, return_stats: bool
 ) -> None:
     """A 2-D C-contiguous x normalized over its last axis reaches the backend itself, without a
-    copy (on the second call, the cached direct path): x, weight and bias keep their bits."""
+    copy (on the second call, the cached direct path, through the backend's ``prepare`` where
+    it has one): x, weight and bias keep their bits, and the second call returns the first's."""
     normlab_subject.require_op(op)
     dtype = normlab_subject.dtype
     case = Case(
@@ -140,6 +141,7 @@ def test_x_never_modified_on_the_direct_path(
     x, kwargs = case.inputs(normlab_subject.name)
     arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
     before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
+    results = []
     for call in ("first", "second"):
         result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=return_stats)
         for what, a in arrays.items():
@@ -151,6 +153,11 @@ def test_x_never_modified_on_the_direct_path(
         )
         assert y is not None
         case.compare(y, mean, rstd, backend=normlab_subject.name)
+        results.append([None if a is None else a.tobytes() for a in (y, mean, rstd)])
+    assert results[1] == results[0], (
+        "the second call (the cached direct route) returned other bits than the first\n"
+        + case.snippet(normlab_subject.name)
+    )
 
 
 @pytest.mark.parametrize(
