@@ -14,7 +14,8 @@ numba's threads; compiled only where numba has more than one thread), forward is
 the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
 kernels), with h returned and without (two kernels). Where torch is installed, the contiguous
 serial forward and fused calls are also made on CPU tensors (the numba backend's address
-entries, which small tensors run). Rows longer
+entries, which small tensors run; for half dtypes with float32 parameters and with parameters
+in x's dtype, which the entries widen themselves). Rows longer
 than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` and calls with ``out=`` use other
 kernels and are not warmed.
 """
@@ -242,11 +243,15 @@ def _run_tensors(x: Any, weight: Any, bias: Any, fused: bool) -> None:
     else:
         t = torch.from_numpy(x)
     w, b = torch.from_numpy(weight), torch.from_numpy(bias)
-    if not fused:
-        normlab.layer_norm(t, weight=w, bias=b, backend="numba")
-        return
-    for keep_h in (True, False):
-        normlab.add_layer_norm(t, t, weight=w, bias=b, return_residual=keep_h, backend="numba")
+    params = [(w, b)]
+    if t.dtype != w.dtype:  # half x: parameters stored in x's dtype too (another entry)
+        params.append((w.to(t.dtype), b.to(t.dtype)))
+    for w, b in params:
+        if not fused:
+            normlab.layer_norm(t, weight=w, bias=b, backend="numba")
+            continue
+        for keep_h in (True, False):
+            normlab.add_layer_norm(t, t, weight=w, bias=b, return_residual=keep_h, backend="numba")
 
 
 def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:

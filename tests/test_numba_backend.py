@@ -834,7 +834,7 @@ def test_small_fused_tensors_go_by_address_bitwise_the_numpy_call(
             )
             for s in (2 * i, 2 * i + 1)
         )
-        w = torch.randn(cols, dtype=x.dtype)  # float16/bfloat16 weights are converted
+        w = torch.randn(cols, dtype=x.dtype)  # float16/bfloat16 weights read in that dtype
         got = normlab.add_layer_norm(
             x, r, weight=w, return_residual=keep_h, return_stats=True, backend="numba"
         )
@@ -845,6 +845,51 @@ def test_small_fused_tensors_go_by_address_bitwise_the_numpy_call(
         for g, v in zip(got, want, strict=True):
             assert np.array_equal(_as_numpy_array(g).view(np.uint8), v.view(np.uint8))
     assert address_entries == ["add_norm_rows_at"] * len(_SMALL_SHAPES)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_parameters_go_by_address_bitwise_their_float32_values(
+    torch: Any, address_entries: list[str], monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    """A weight and bias stored in x's half dtype (``model.half()``) reach the address entries
+    as they are, widened inside the kernel, never copied: the results are bitwise those of
+    the same values as float32 parameters (widening is exact), with and without outputs,
+    statistics and the prepared route; an absent one takes a stand-in in that dtype."""
+    _dtype(dtype)
+    half = getattr(torch, dtype)
+    x, r = (torch.from_numpy(_data((3, 768), "float32", seed=s, loc=2.0)).to(half) for s in (1, 2))
+    w, b = torch.randn(768).to(half), torch.randn(768).to(half)
+
+    def never_converted(*args: Any) -> Any:
+        raise AssertionError("half parameters were converted")
+
+    calls = [
+        ("layer_norm", {"weight": w, "bias": b}),
+        ("layer_norm", {"weight": w}),
+        ("layer_norm", {"bias": b}),
+        ("rms_norm", {"weight": w}),
+        ("add_layer_norm", {"weight": w, "bias": b}),
+        ("add_layer_norm", {"weight": w, "bias": b, "return_residual": False}),
+        ("add_rms_norm", {"weight": w}),
+    ]
+    for op, kwargs in calls:
+        inputs = (x, r) if op.startswith("add_") else (x,)
+        wide = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        for stats in (False, True):
+            want = getattr(normlab, op)(*inputs, **wide, return_stats=stats, backend="numba")
+            with monkeypatch.context() as m:
+                m.setattr(numba_backend, "_converted_params", never_converted)
+                for _ in range(2):  # the first may compile the entry (then: prepared, w/o stats)
+                    got = getattr(normlab, op)(
+                        *inputs, **kwargs, return_stats=stats, backend="numba"
+                    )
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            for g, v in zip(got, want, strict=True):
+                assert _same_bits(g, v), (op, list(kwargs), stats)
+    assert set(address_entries) == {"layer_norm_rows_at", "add_norm_rows_at"}
+    mixed = normlab.layer_norm(x, weight=w, bias=b.float(), backend="numba")  # w converted
+    want = normlab.layer_norm(x, weight=w.float(), bias=b.float(), backend="numba")
+    assert _same_bits(mixed, want)
 
 
 def test_tensors_the_address_entries_cannot_read_take_numpy_views(

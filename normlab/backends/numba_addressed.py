@@ -9,11 +9,13 @@ holds (``numba.carray``) and call the very serial kernels a NumPy call runs
 :func:`~normlab.backends.numba_fused.add_norm_rows`), so the results are bit for bit the NumPy
 call's. Types come from numba's own dispatch on the other arguments: ``x_like`` is an array of
 the kernels' element type for x (x's dtype, or the bit-pattern integer type of a half dtype),
-``w_like`` one of the compute dtype; the addresses are integers.
+``w_like`` one of the compute dtype and ``p_like`` one of the type weight and bias are stored in
+(the compute dtype, or x's half type: then they are widened to the compute dtype once per call,
+exactly, as ``Tensor.float()`` would); the addresses are integers.
 
 The caller guarantees what the views assume: each address is element 0 of live, C-contiguous
 memory aligned to its element type, of ``rows * cols`` elements of ``x_like``'s type (x,
-residual, y, h) or ``cols`` of ``w_like``'s (weight, bias), and ``y`` and ``h`` share no memory
+residual, y, h) or ``cols`` of ``p_like``'s (weight, bias), and ``y`` and ``h`` share no memory
 with each other or the inputs. The statistics arrays are passed as arrays, as to the kernels.
 """
 
@@ -21,12 +23,13 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-from normlab.backends.numba_forward import layer_norm_rows
+from normlab.backends.numba_forward import layer_norm_rows, load
 from normlab.backends.numba_fused import add_norm_rows
 
 __all__ = ["add_norm_rows_at", "layer_norm_rows_at"]
@@ -44,10 +47,38 @@ def _pointer_typed(typingctx: Any, address: Any) -> Any:
 _pointer: Final[Any] = intrinsic(_pointer_typed)
 
 
+def parameter(p: Any, like: Any) -> Any:
+    """The weight or bias ``p`` (1-D, C-contiguous) as an array of ``like``'s dtype (the
+    compute dtype): ``p`` itself when it is one, else a new array of its elements widened from
+    half bit patterns (exact).
+
+    A Numba overload (:func:`_parameter_typed`): callable from jitted code only."""
+    raise NotImplementedError("parameter is a Numba overload; call it from jitted code")
+
+
+def _parameter_itself(p: Any, like: Any) -> Any:
+    return p
+
+
+def _parameter_widened(p: Any, like: Any) -> Any:
+    widened = np.empty(p.shape[0], like.dtype)
+    for j in range(p.shape[0]):
+        widened[j] = load(p[j])
+    return widened
+
+
+@overload(parameter)
+def _parameter_typed(p: Any, like: Any) -> Any:
+    if p.dtype == like.dtype:
+        return _parameter_itself
+    return _parameter_widened if p.dtype in (types.int16, types.uint16) else None
+
+
 @njit(error_model="numpy", cache=True)
 def layer_norm_rows_at(
     x_like: Any,
     w_like: Any,
+    p_like: Any,
     x_at: int,
     y_at: int,
     w_at: int,
@@ -61,14 +92,14 @@ def layer_norm_rows_at(
     start: int,
     stop: int,
 ) -> None:
-    # layer_norm_rows: x and y (rows, cols) of x_like's type, w and b (cols,) of w_like's, at
-    # these addresses; eps, mean, rstd, centre, start, stop as there. (start and stop are
-    # arguments, not constants: a constant would make numba compile another specialization
-    # of the kernel, which may round differently from the NumPy call's.)
+    # layer_norm_rows: x and y (rows, cols) of x_like's type, w and b (cols,) of p_like's
+    # (read as w_like's), at these addresses; eps, mean, rstd, centre, start, stop as there.
+    # (start and stop are arguments, not constants: a constant would make numba compile
+    # another specialization of the kernel, which may round differently from the NumPy call's.)
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = carray(_pointer(w_at), cols, w_like.dtype)
-    b = carray(_pointer(b_at), cols, w_like.dtype)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
     layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
 
 
@@ -76,6 +107,7 @@ def layer_norm_rows_at(
 def add_norm_rows_at(
     x_like: Any,
     w_like: Any,
+    p_like: Any,
     h_like: Any,
     x_at: int,
     r_at: int,
@@ -97,8 +129,8 @@ def add_norm_rows_at(
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = carray(_pointer(w_at), cols, w_like.dtype)
-    b = carray(_pointer(b_at), cols, w_like.dtype)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
     if h_like is None:
         add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
     else:

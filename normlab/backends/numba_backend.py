@@ -101,6 +101,9 @@ SERIAL_ELEMENTS: Final = 1 << 15
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 _BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
+#: Weight and bias as the address entries take them: (weight's address, bias's, an empty array
+#: of the type they are stored in); see :func:`_tensor_params`.
+_Params = tuple[int, int, np.ndarray]
 
 
 class Pool:
@@ -349,23 +352,27 @@ def _array_params(weight: Any, bias: Any, k: _KernelTypes, compute: Any) -> tupl
 
 def _prepared_tensor_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
     """:func:`prepare` of the norms for CPU tensors: :func:`_normalize_at` without out or
-    statistics, for C-contiguous aligned tensors and weights of the compute dtype."""
+    statistics, for C-contiguous aligned tensors and weights as :func:`_tensor_params` reads
+    them."""
     function = layer_norm if centre else rms_norm
     empty_like, itemsize = _torch().empty_like, k.element.itemsize
-    head = (k.element, k.compute_like)
+    element, compute_like, compute = k.element, k.compute_like, _torch_compute(k.compute)
     tail = (plan.rows, plan.cols, float(plan.eps), k.no_stats, k.no_stats, centre, 0, plan.rows)
-    entry = k.entries.get("layer_norm_rows_at")
+    name = "layer_norm_rows_at"
+    entry, half_entry = k.entries.get(name), k.entries.get(_entry_name(name, k, element))
 
     def normalize_rows(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None]:
-        nonlocal entry
+        nonlocal entry, half_entry
         x_at = x.data_ptr()
-        params = _tensor_params(weight, bias, k)
-        if entry is None or params is None or x_at % itemsize or not x.is_contiguous():
+        params = _tensor_params(weight, bias, k, compute, x)
+        run = None if params is None else entry if params[2] is compute_like else half_entry
+        if run is None or x_at % itemsize or not x.is_contiguous():
             result = function(x, weight, bias, plan=plan, out=None)  # compiles the entry
-            entry = k.entries.get("layer_norm_rows_at")
+            entry, half_entry = k.entries.get(name), k.entries.get(_entry_name(name, k, element))
             return result
+        w_at, b_at, p_like = params  # type: ignore[misc]
         y = empty_like(x)
-        entry(*head, x_at, y.data_ptr(), *params, *tail)
+        run(element, compute_like, p_like, x_at, y.data_ptr(), w_at, b_at, *tail)
         return y, None, None
 
     return normalize_rows
@@ -373,57 +380,84 @@ def _prepared_tensor_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable
 
 def _prepared_tensor_add_rows(plan: Plan, k: _KernelTypes, centre: bool) -> Callable[..., Any]:
     """:func:`prepare` of the fused ops for CPU tensors: :func:`_add_normalize_at` without
-    outputs given or statistics, for C-contiguous aligned tensors and weights of the compute
-    dtype."""
+    outputs given or statistics, for C-contiguous aligned tensors and weights as
+    :func:`_tensor_params` reads them."""
     function = add_layer_norm if centre else add_rms_norm
     empty_like, itemsize, keep_h = _torch().empty_like, k.element.itemsize, plan.return_residual
-    name = "add_norm_rows_at with h" if keep_h else "add_norm_rows_at"
-    head = (k.element, k.compute_like, k.element if keep_h else None)
+    element, compute_like, compute = k.element, k.compute_like, _torch_compute(k.compute)
+    h_like = element if keep_h else None
     tail = (plan.rows, plan.cols, float(plan.eps), k.no_stats, k.no_stats, centre, 0, plan.rows)
-    entry = k.entries.get(name)
+    name = "add_norm_rows_at with h" if keep_h else "add_norm_rows_at"
+    entry, half_entry = k.entries.get(name), k.entries.get(_entry_name(name, k, element))
 
     def add_normalize_rows(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...]:
-        nonlocal entry
+        nonlocal entry, half_entry
         x_at, r_at = x.data_ptr(), residual.data_ptr()
-        params = _tensor_params(weight, bias, k)
+        params = _tensor_params(weight, bias, k, compute, x)
+        run = None if params is None else entry if params[2] is compute_like else half_entry
         if (
-            entry is None
-            or params is None
+            run is None
             or (x_at | r_at) % itemsize  # itemsize is a power of two
             or not x.is_contiguous()
             or not residual.is_contiguous()
         ):
             result = function(x, residual, weight, bias, plan=plan, out=None, residual_out=None)
-            entry = k.entries.get(name)
+            entry, half_entry = k.entries.get(name), k.entries.get(_entry_name(name, k, element))
             return result
+        w_at, b_at, p_like = params  # type: ignore[misc]
         y = empty_like(x)
         h = empty_like(x) if keep_h else None
         h_at = 0 if h is None else h.data_ptr()
-        entry(*head, x_at, r_at, y.data_ptr(), h_at, *params, *tail)
+        run(
+            element, compute_like, p_like, h_like, x_at, r_at, y.data_ptr(), h_at, w_at, b_at, *tail
+        )
         return y, h, None, None
 
     return add_normalize_rows
 
 
-def _tensor_params(weight: Any, bias: Any, k: _KernelTypes) -> tuple[int, int] | None:
-    """The addresses of weight and bias as the address entries read them (the stand-ins' for
-    absent ones), or None when one must be converted first (:func:`_tensor_address`: another
-    dtype, strided, misaligned)."""
-    compute = _torch_compute(k.compute)
-    size = k.compute.itemsize
-    if weight is None:
-        w_at = k.ones_at
+def _tensor_params(weight: Any, bias: Any, k: _KernelTypes, compute: Any, x: Any) -> _Params | None:
+    """Weight and bias as the address entries read them: their addresses (the stand-ins' for
+    absent ones) and an empty array of the type they are stored in (``p_like``): the compute
+    dtype (``compute``, a torch dtype), or x's half dtype, which the entries widen
+    themselves. None when one must be converted first (:func:`_converted_params`: another
+    dtype, the two stored differently, strided, misaligned)."""
+    if weight is not None:
+        stored = weight.dtype
+    elif bias is not None:
+        stored = bias.dtype
     else:
+        return k.ones_at, k.zeros_at, k.compute_like
+    if stored is compute:
+        like, w_at, b_at = k.compute_like, k.ones_at, k.zeros_at
+    elif k.bits is not None and stored is x.dtype:
+        like, w_at, b_at = k.element, k.half_ones_at, k.half_zeros_at
+    else:
+        return None
+    size = like.itemsize
+    if weight is not None:
         w_at = weight.data_ptr()
-        if weight.dtype is not compute or w_at % size or not weight.is_contiguous():
+        if w_at % size or not weight.is_contiguous():
             return None
-    if bias is None:
-        b_at = k.zeros_at
-    else:
+    if bias is not None:
         b_at = bias.data_ptr()
-        if bias.dtype is not compute or b_at % size or not bias.is_contiguous():
+        if bias.dtype is not stored or b_at % size or not bias.is_contiguous():
             return None
-    return w_at, b_at
+    return w_at, b_at, like
+
+
+def _converted_params(weight: Any, bias: Any, k: _KernelTypes) -> tuple[_Params, Any]:
+    """:func:`_tensor_params` of weight and bias converted to contiguous compute-dtype tensors
+    where needed, with the converted copies to keep alive while the kernel runs."""
+    w_at, w_kept = _tensor_address(weight, k, k.ones_at)
+    b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
+    return (w_at, b_at, k.compute_like), (w_kept, b_kept)
+
+
+def _entry_name(name: str, k: _KernelTypes, p_like: Any) -> str:
+    """The key in ``k.entries`` of the address entry ``name`` for parameters stored as
+    ``p_like``: those stored in x's half dtype make another specialization."""
+    return name if p_like is k.compute_like else f"{name}, half parameters"
 
 
 #: The functions :func:`prepare` makes, by op and family (``centre`` tells the two norms apart).
@@ -634,6 +668,10 @@ class _KernelTypes:
     compute_like: np.ndarray
     ones_at: int
     zeros_at: int
+    half_ones: np.ndarray | None
+    half_zeros: np.ndarray | None
+    half_ones_at: int
+    half_zeros_at: int
     entries: dict[str, Any]
 
 
@@ -647,6 +685,8 @@ def _kernel_types(dtype: str, stats_dtype: str, cols: int) -> _KernelTypes:
     stand_in = SEGMENT if long else cols  # the length of an absent weight or bias
     bits = _BITS.get(dtype)
     ones, zeros = _constant(stand_in, compute, 1.0), _constant(stand_in, compute, 0.0)
+    half_ones = None if bits is None else _half_constant(stand_in, dtype, 1.0)
+    half_zeros = None if bits is None else _half_constant(stand_in, dtype, 0.0)
     return _KernelTypes(
         compute=np.dtype(compute),
         bits=bits,
@@ -659,6 +699,10 @@ def _kernel_types(dtype: str, stats_dtype: str, cols: int) -> _KernelTypes:
         compute_like=np.empty(0, compute),
         ones_at=ones.ctypes.data,
         zeros_at=zeros.ctypes.data,
+        half_ones=half_ones,
+        half_zeros=half_zeros,
+        half_ones_at=0 if half_ones is None else half_ones.ctypes.data,
+        half_zeros_at=0 if half_zeros is None else half_zeros.ctypes.data,
         entries={},
     )
 
@@ -703,6 +747,15 @@ def _constant(length: int, compute: type, fill: float) -> np.ndarray:
     """A cached array of ``length`` times ``fill`` (the weight or bias of a call without one):
     at most LONG_ROW_BYTES each, so the cache holds at most 32 MiB."""
     return np.full(length, fill, dtype=compute)
+
+
+@functools.lru_cache(maxsize=32)
+def _half_constant(length: int, dtype: str, fill: float) -> np.ndarray:
+    """:func:`_constant` in the bit patterns of the half ``dtype`` (``fill`` is exact in it)."""
+    wide = np.full(length, fill, np.float32)
+    if dtype == "float16":
+        return wide.astype(np.float16).view(np.int16)
+    return (wide.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16: float32's upper half
 
 
 @functools.lru_cache(maxsize=2)
@@ -813,24 +866,27 @@ def _normalize_at(
     views: the tensors' addresses go to :func:`numba_addressed.layer_norm_rows_at`. ``y`` is
     ``out`` (C-contiguous, separate from x) or a fresh tensor; the statistics are NumPy arrays
     the kernel writes, returned as tensors."""
-    w_at, w_kept = _tensor_address(weight, k, k.ones_at)
-    b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
+    params, kept = _tensor_params(weight, bias, k, _torch_compute(k.compute), x), None
+    if params is None:
+        params, kept = _converted_params(weight, bias, k)
+    w_at, b_at, p_like = params
     y = _torch().empty_like(x) if out is None else out
     return_stats = plan.return_stats
     mean = np.empty(plan.rows, k.stats) if return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if return_stats else k.no_stats
     e = k.element
     args = (
-        e, k.compute_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
+        e, k.compute_like, p_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
         plan.rows, plan.cols, float(plan.eps), mean, rstd, centre, 0, plan.rows,
     )  # fmt: skip
-    entry = k.entries.get("layer_norm_rows_at")
+    name = _entry_name("layer_norm_rows_at", k, p_like)
+    entry = k.entries.get(name)
     if entry is not None:
         entry(*args)
     else:  # see load_serial_first: the kernel's own copy runs
         layer_norm_rows(e, e, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
-        k.entries["layer_norm_rows_at"] = _entry_point(layer_norm_rows_at, args)
-    del w_kept, b_kept  # converted weight and bias lived until the kernel returned
+        k.entries[name] = _entry_point(layer_norm_rows_at, args)
+    del kept  # converted weight and bias lived until the kernel returned
     if not return_stats:
         return y, None, None
     return y, _torch().from_numpy(mean) if centre else None, _torch().from_numpy(rstd)
@@ -851,8 +907,10 @@ def _add_normalize_at(
     thread, without NumPy views (as :func:`_normalize_at`, with
     :func:`numba_addressed.add_norm_rows_at`); ``y`` is ``out`` and ``h`` ``residual_out``
     (C-contiguous; the memory of an input or separate), else fresh tensors."""
-    w_at, w_kept = _tensor_address(weight, k, k.ones_at)
-    b_at, b_kept = _tensor_address(bias, k, k.zeros_at)
+    params, kept = _tensor_params(weight, bias, k, _torch_compute(k.compute), x), None
+    if params is None:
+        params, kept = _converted_params(weight, bias, k)
+    w_at, b_at, p_like = params
     empty_like = _torch().empty_like
     y = empty_like(x) if out is None else out
     h = residual_out
@@ -863,18 +921,18 @@ def _add_normalize_at(
     e = k.element
     h_like = None if h is None else e
     args = (
-        e, k.compute_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+        e, k.compute_like, p_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
         0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols, float(plan.eps),
         mean, rstd, centre, 0, plan.rows,
     )  # fmt: skip
-    name = "add_norm_rows_at" if h is None else "add_norm_rows_at with h"
+    name = _entry_name("add_norm_rows_at" if h is None else "add_norm_rows_at with h", k, p_like)
     entry = k.entries.get(name)
     if entry is not None:
         entry(*args)
     else:  # see load_serial_first: the kernel's own copy runs
         add_norm_rows(e, e, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0)
         k.entries[name] = _entry_point(add_norm_rows_at, args)
-    del w_kept, b_kept  # converted weight and bias lived until the kernel returned
+    del kept  # converted weight and bias lived until the kernel returned
     if not plan.return_stats:
         return y, h, None, None
     torch = _torch()
