@@ -65,10 +65,20 @@ def tests_all(session: nox.Session) -> None:
 
 @nox.session(name="plugin-jax")
 def plugin_jax(session: nox.Session) -> None:
-    """The normlab-jax plugin, installed as a user would: its tests, the conformance suite too."""
+    """The normlab-jax plugin, installed as a user would: its tests, then the conformance suite
+    on it run by pytest (as docs/testing.md shows), so that every core takes a share of it."""
     _isolate(session)
     session.install(".[test]", "./plugins/normlab-jax[test]", XDIST)
-    session.run("pytest", *PARALLEL, "plugins/normlab-jax", *session.posargs)
+    in_process = "not test_conformance_suite"  # the plugin's own test runs the suite in one process
+    session.run("pytest", *PARALLEL, "plugins/normlab-jax", "-k", in_process, *session.posargs)
+    session.run(
+        "pytest",
+        *PARALLEL,
+        "--pyargs",
+        "normlab.testing",
+        "--normlab-backend=jax",
+        *session.posargs,
+    )
 
 
 @nox.session(name="plugin-dask")
