@@ -191,6 +191,7 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         args = ["-q", "--tb=short"]
         exit_code = normlab.testing.check("numba", extra_pytest_args=args)
         torch_exit_code = normlab.testing.check("numba", arrays="torch", extra_pytest_args=args)
+        from numba import types
         from numba.core.dispatcher import Dispatcher
         from normlab.backends import (
             half_bits, numba_addressed, numba_backward, numba_forward, numba_fused
@@ -204,9 +205,13 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
         print(json.dumps({
             "exit_code": exit_code,
             "torch_exit_code": torch_exit_code,
-            "addressed": sum(
-                len(k.signatures)
+            "addressed": sorted(
+                " ".join([k.__name__, str(sig[0].dtype), str(sig[2].dtype)] + (
+                    ["with h" if sig[3] != types.none else "without h"]
+                    if k is numba_addressed.add_norm_rows_at else []
+                ))
                 for k in (numba_addressed.layer_norm_rows_at, numba_addressed.add_norm_rows_at)
+                for sig in k.signatures
             ),
             "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
             "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
@@ -215,7 +220,18 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
     )
     result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
     assert result["exit_code"] == 0 and result["torch_exit_code"] == 0, result
-    # both address entries for every dtype (the fused one with h and without) ran checked
-    assert result["addressed"] == 12, result
+    # both address entries for every dtype (the fused one with h and without) ran checked, as
+    # did the norms' entry for half parameters (weight and bias in x's half dtype)
+    elements = {"float32": "float32", "float64": "float64", "int16": "float32", "uint16": "float32"}
+    wanted = {
+        f"{name} {element} {compute}{form}"
+        for element, compute in elements.items()
+        for name, form in (
+            ("layer_norm_rows_at", ""),
+            ("add_norm_rows_at", " with h"),
+            ("add_norm_rows_at", " without h"),
+        )
+    } | {f"layer_norm_rows_at {half} {half}" for half in ("int16", "uint16")}
+    assert wanted <= set(result["addressed"]), result
     # every kernel the suite ran was compiled here, with bounds checks, none loaded from a cache
     assert result["compiled"] > 0 and result["loaded"] == 0, result
