@@ -35,7 +35,8 @@ class FusedRoute:
     which outputs it writes itself."""
 
     function: Any
-    direct: bool
+    direct: bool  # 2-D rows as given, no outputs: the backend's (prepared) function alone
+    direct_out: bool  # likewise with out and/or residual_out, which the backend writes itself
     prepared: Any  # the backend's prepared function of the direct route, or None
     copies: dict[str, str | None]
     out_direct: bool
@@ -87,6 +88,12 @@ def run(
                     x, residual, weight, bias, plan=plan, out=None, residual_out=None
                 )
             return (y, h) if plan.return_residual else y
+        if r is not None and r.direct_out and _writes_direct(aliasing, r):
+            y, h, _, _ = r.function(
+                x, residual, weight, bias, plan=plan, out=out, residual_out=residual_out
+            )
+            y = _written(out, y)
+            return (y, _written(residual_out, h)) if plan.return_residual else y
         return _run(call, choice, aliasing, x, residual, weight, bias, out, residual_out)
     except NormlabError:
         raise
@@ -121,26 +128,33 @@ def route(call: Layout, choice: Choice) -> FusedRoute:
     caps = backend.capabilities
     copies = {name: layout.copy_reason(name, call, backend) for name in ("x", "residual")}
     writes = "out" in caps and not plan.requires_grad  # else the core copies (autograd records)
-    direct = (
+    rows_as_given = (
         not any(copies.values())
         and call.permutation is None
         and len(plan.axes) == 1
         and plan.shape == (plan.rows, plan.cols)
-        and not call.has_out
-        and not call.has_residual_out
         and not plan.return_stats
         and not plan.empty
         and not call.non_native
     )
+    direct = rows_as_given and not call.has_out and not call.has_residual_out
+    out_direct = call.has_out and writes and layout.reads(caps, call.out_strides, plan)
+    residual_out_direct = (
+        call.has_residual_out and writes and layout.reads(caps, call.residual_out_strides, plan)
+    )
     result = FusedRoute(
         function=backend.function(plan.op),
         direct=direct,
+        direct_out=(
+            rows_as_given
+            and not direct
+            and out_direct == call.has_out
+            and residual_out_direct == call.has_residual_out
+        ),
         prepared=backend.prepared(plan.op, plan) if direct else None,
         copies=copies,
-        out_direct=call.has_out and writes and layout.reads(caps, call.out_strides, plan),
-        residual_out_direct=(
-            call.has_residual_out and writes and layout.reads(caps, call.residual_out_strides, plan)
-        ),
+        out_direct=out_direct,
+        residual_out_direct=residual_out_direct,
         inplace_ok="inplace" in caps,
     )
     call.routes[backend] = result
@@ -164,8 +178,7 @@ def _run(
     out_y, out_mean, out_rstd = spec.split_out(plan.op, out)
     if call.non_native:  # x and residual themselves are copied by the route
         weight, bias = layout.native(weight), layout.native(bias)
-    # Outputs that are the memory of an input go to the backend only if it computes in place.
-    writes_direct = aliasing == "separate" or (aliasing == "in_place" and r.inplace_ok)
+    writes_direct = _writes_direct(aliasing, r)
     backend_out = backend_h = None
     if out_y is not None and r.out_direct and writes_direct:
         backend_out = layout.rows(out_y, call, copy=False)
@@ -191,6 +204,21 @@ def _run(
         else:
             stats = (rstd,)
     return _returned(plan, y, h, stats)
+
+
+def _writes_direct(aliasing: Aliasing, r: FusedRoute) -> bool:
+    """Whether the backend may write the outputs itself: none is the memory of an input, or
+    the backend computes in place."""
+    return aliasing == "separate" or (aliasing == "in_place" and r.inplace_ok)
+
+
+def _written(target: Any, result: Any) -> Any:
+    """The direct route's output: ``target`` (written by the backend; its library is told)
+    when given, else the backend's ``result``."""
+    if target is None:
+        return result
+    arrays.mark_written(target)
+    return target
 
 
 def _placed(call: Layout, result: Any, target: Any, written: bool) -> Any:

@@ -38,7 +38,8 @@ class Route:
     """How one backend runs one plan: which copies happen and how ``out`` is written."""
 
     function: Any
-    direct: bool
+    direct: bool  # 2-D rows as given, no out: the backend's (prepared) function alone
+    direct_out: bool  # likewise with out, which the backend writes itself
     prepared: Any  # the backend's prepared function of the direct route, or None
     copy_x: str | None
     out_direct: bool
@@ -86,29 +87,31 @@ def route(call: Layout, choice: Choice) -> Route:
     plan = call.plan
     caps = backend.capabilities
     copy_x = copy_reason("x", call, backend)
-    direct = (
+    rows_as_given = (
         copy_x is None
         and call.permutation is None
         and len(plan.axes) == 1
         and plan.shape == (plan.rows, plan.cols)
-        and not call.has_out
         and not plan.return_stats
         and not plan.empty
         and not call.non_native
     )
+    direct = rows_as_given and not call.has_out
+    # with an input that requires grad, the core copies the result into out (recorded by
+    # autograd): a backend writing out itself would leave the graph
+    out_direct = (
+        call.has_out
+        and not plan.requires_grad
+        and "out" in caps
+        and reads(caps, call.out_strides, plan)
+    )
     result = Route(
         function=backend.function(plan.op),
         direct=direct,
+        direct_out=rows_as_given and out_direct,
         prepared=backend.prepared(plan.op, plan) if direct else None,
         copy_x=copy_x,
-        # with an input that requires grad, the core copies the result into out (recorded by
-        # autograd): a backend writing out itself would leave the graph
-        out_direct=(
-            call.has_out
-            and not plan.requires_grad
-            and "out" in caps
-            and reads(caps, call.out_strides, plan)
-        ),
+        out_direct=out_direct,
         inplace_ok="inplace" in caps,
         inverse=call.inverse,
         permuted_shape=call.permuted_shape,
@@ -170,6 +173,14 @@ def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) 
             if r.prepared is not None:
                 return r.prepared(x, weight, bias)[0]
             return r.function(x, weight, bias, plan=call.plan, out=None)[0]
+        if r is not None and r.direct_out:  # rows as given, out written by the backend
+            aliasing = output_aliasing(
+                call.plan.op, {"x": x, "weight": weight, "bias": bias}, {"y": out}
+            )
+            if aliasing == "separate" or (aliasing == "in_place" and r.inplace_ok):
+                r.function(x, weight, bias, plan=call.plan, out=out)
+                arrays.mark_written(out)
+                return out
         return _run(call, choice, r, x, weight, bias, out)
     except NormlabError:
         raise

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import normlab
-from normlab import arrays, reference, spec
+from normlab import arrays, dispatch, fused, layout, reference, spec
 from normlab.ops import OPS
 from normlab.registry import Backend
 
@@ -256,3 +256,71 @@ def test_the_bounds_shortcut_answers_as_the_exact_test(family: str) -> None:
             assert shortcut == exact, (inputs, outputs)
         assert _verdict(spec.output_aliasing, "layer_norm", inputs, outputs) == exact
     assert settled > 300  # the shortcut was exercised, not only the fallback
+
+
+@pytest.mark.parametrize(
+    ("backend", "family"), [("numpy", "numpy"), ("numba", "numpy"), ("numba", "torch")]
+)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_repeated_calls_with_outputs_are_checked_every_time(
+    backend: str, family: str, op: str
+) -> None:
+    """Calls of one layout with outputs take the direct route from the second call on (the
+    backend writes ``out`` itself): each call's outputs are checked anew — separate buffers,
+    the in-place form, an overlapping buffer of the same layout (refused, nothing written) —
+    and each result is bitwise the allocating call's."""
+    wrap = torch.from_numpy if family == "torch" else np.asarray
+    buffer = _x(5, 8)
+    x, other, residual, weight = (wrap(a) for a in (buffer[:4], _x(4, 8), _x(4, 8), _x(8)))
+    fused = op.startswith("add_")
+    inputs = (x, residual) if fused else (x,)
+    fn = getattr(normlab, op)
+    expected = [_numpy(a).copy() for a in _as_tuple(fn(*inputs, weight=weight, backend=backend))]
+
+    def call(out: Any, residual_out: Any = None) -> list[np.ndarray]:
+        more = {"residual_out": residual_out} if fused else {}
+        got = _as_tuple(fn(*inputs, weight=weight, backend=backend, out=out, **more))
+        assert got[0] is out and (not fused or got[1] is residual_out)
+        return [_numpy(a).copy() for a in got]
+
+    for _ in range(3):  # the first call routes; the later ones take the direct route
+        out, h = (
+            wrap(np.full((4, 8), np.nan, np.float32)),
+            wrap(np.full((4, 8), np.nan, np.float32)),
+        )
+        versions = [getattr(a, "_version", 0) for a in (out, h)]
+        for got, want in zip(call(out, h if fused else None), expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        if family == "torch":  # written behind torch's back: its version counter is told
+            assert out._version > versions[0] and (not fused or h._version > versions[1])
+    assert _route(op, x, residual, weight, out, h if fused else None, backend).direct_out
+    overlapping = wrap(buffer[1:])  # x's layout, one row further on: shares four rows with x
+    before = buffer.copy()
+    with pytest.raises(normlab.ArgumentError, match="shares memory with x"):
+        call(overlapping, other if fused else None)
+    np.testing.assert_array_equal(buffer, before)
+    if fused:  # the serving form: y into x, h into residual
+        x_before, r_before = _numpy(x).copy(), _numpy(residual).copy()
+        y, h = fn(x, residual, weight=weight, backend=backend, out=x, residual_out=residual)
+        assert y is x and h is residual
+        np.testing.assert_array_equal(_numpy(h), (x_before + r_before))
+        np.testing.assert_array_equal(_numpy(y), expected[0])
+    else:
+        y = fn(x, weight=weight, backend=backend, out=x)
+        assert y is x
+        np.testing.assert_array_equal(_numpy(y), expected[0])
+
+
+def _route(op: str, x: Any, residual: Any, weight: Any, out: Any, h: Any, backend: str) -> Any:
+    """The cached route of a call with outputs (:mod:`normlab.layout`, :mod:`normlab.fused`)."""
+    eps = 1e-5 if "layer_norm" in op else None  # the ops' defaults
+    if h is None and not op.startswith("add_"):
+        call = spec.validated(op, x, None, weight, None, eps, None, False, out)
+        choice = dispatch.choose(call.plan, backend)
+        return layout.route(call, choice)
+    call = spec.validated_fused(op, x, residual, None, weight, None, eps, None, False, True, out, h)
+    return fused.route(call, fused.choose(call, backend)[0])
+
+
+def _as_tuple(result: Any) -> tuple[Any, ...]:
+    return result if isinstance(result, tuple) else (result,)
