@@ -6,8 +6,9 @@ A row is processed in this order, which is what lets the outputs be the very mem
 inputs (``out`` that of x or residual, the ``h`` output that of residual or x, never both the
 same): one sweep reads x and residual and writes h, element by element, into the h output
 (when h is returned) or else into a contiguous compute-dtype scratch row of the thread; the
-row's statistics and y then come from that h alone (an h row that is not contiguous
-compute-dtype data is first copied, converted, into the scratch row), by the forward kernels'
+row's statistics and y then come from that h alone (for an h row that is not contiguous
+compute-dtype data — half bits, strided — the same sweep also puts the rounded h, converted,
+into the scratch row), by the forward kernels'
 own row code (:mod:`normlab.backends.numba_forward`: ``row_moments``, ``write_row``, and
 ``wide_stats`` / ``write_wide`` for a row whose compute-dtype sums do not hold). So y and the
 statistics are, bit for bit, those ``layer_norm_rows`` gives for the rounded h, and h those of
@@ -93,6 +94,17 @@ def _add_kept(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     return source_row(hr, scratch)
 
 
+def _add_kept_gathered(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
+    # an hr row that is not contiguous compute-dtype data (half bits, strided): its source row
+    # is gathered into scratch in the same sweep, from the rounded value just stored (a second
+    # sweep converting hr back cost about a tenth of a float16 call)
+    for j in range(xr.shape[0]):
+        rounded = store(add_exact(load(xr[j]), load(rr[j])), xr)
+        hr[j] = rounded
+        scratch[j] = load(rounded)
+    return scratch
+
+
 def _add_dropped(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     for j in range(xr.shape[0]):
         scratch[j] = load(store(add_exact(load(xr[j]), load(rr[j])), xr))
@@ -109,7 +121,11 @@ def _row(h: Any, i: Any) -> Any:
 
 @overload(add_row, inline="always")
 def _add_row_typed(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
-    return _add_dropped if isinstance(hr, types.NoneType) else _add_kept
+    if isinstance(hr, types.NoneType):
+        return _add_dropped
+    if isinstance(hr.dtype, types.Float) and hr.layout == "C":  # source_row: hr itself
+        return _add_kept
+    return _add_kept_gathered
 
 
 def _h_added(x: Any, r: Any, h: Any, i: Any, scratch: Any) -> Any:
