@@ -78,6 +78,31 @@ def test_the_pool_holds_at_most_its_capacity(pool: OutputPool) -> None:
     assert plain.base is None  # off: numpy.empty itself
 
 
+def test_a_pool_full_of_other_sizes_makes_room_for_the_latest(pool: OutputPool) -> None:
+    """A process that has moved on to a new shape still reuses its outputs: the buffers
+    released longest ago are freed to make room (a full pool used to keep them for good)."""
+    pool.capacity = 4 * MIN_BYTES
+    f32 = np.dtype(np.float32)
+    stale = [pool.empty((n * MIN_BYTES // 4,), f32) for n in (1, 2)]  # 1 and 2 MiB
+    del stale
+    assert pool.held_bytes == 3 * MIN_BYTES
+    new = pool.empty((2 * MIN_BYTES // 4,), f32)  # takes the 2 MiB buffer: 1 MiB held
+    bigger = pool.empty((3 * MIN_BYTES // 4,), f32)
+    bigger_address = _address(bigger)
+    del new, bigger  # 2 MiB then 3 MiB back: the 1 MiB, then the 2 MiB buffer make room
+    assert pool.held_bytes == 3 * MIN_BYTES
+    again = pool.empty((3 * MIN_BYTES // 4,), f32)
+    assert _address(again) == bigger_address
+    assert pool.held_bytes == 0
+    other = pool.empty((2 * MIN_BYTES // 4,), f32)  # a new buffer: the old 2 MiB one is gone
+    other_address = _address(other)
+    too_big = pool.empty((5 * MIN_BYTES // 4,), f32)
+    assert too_big.base is None  # larger than the pool: plain, never kept
+    del again, other, too_big  # 3 MiB back, then 2 MiB, for which the 3 MiB buffer makes room
+    assert pool.held_bytes == 2 * MIN_BYTES
+    assert _address(pool.empty((2 * MIN_BYTES // 4,), f32)) == other_address
+
+
 def test_small_outputs_are_plain_arrays(pool: OutputPool) -> None:
     small = pool.empty((MIN_BYTES // 8 - 1,), np.dtype(np.float64))
     assert small.base is None and small.flags.c_contiguous

@@ -7,7 +7,9 @@ array's base object (:class:`_Lease`) returns the buffer to the pool when it is 
 that is when the caller's result and every view of it are gone: memory is never handed out
 while anything can still read it through a result. Buffers are matched by exact size (a
 serving loop repeats its shapes) and the pool holds at most ``NORMLAB_OUTPUT_POOL_MIB`` MiB
-(default 256; 0 turns it off); a released buffer that does not fit is freed. Outputs below
+(default 256; 0 turns it off): a released buffer that does not fit in the room left makes room
+by freeing the buffers released longest ago (the shapes a process has moved on from), and one
+larger than the whole pool is freed. Outputs below
 :data:`MIN_BYTES` come from ``numpy.empty`` directly: the C allocator already reuses warm
 memory for those.
 """
@@ -56,7 +58,7 @@ class OutputPool:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._free: dict[int, list[np.ndarray]] = {}
+        self._free: list[np.ndarray] = []  # released buffers, the longest released first
         self._held = 0
         self._lock = threading.Lock()
 
@@ -70,23 +72,30 @@ class OutputPool:
 
     def _take(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
         """A pooled array of ``nbytes`` bytes (a released buffer of that size, else a new one)."""
-        with self._lock:
-            free = self._free.get(nbytes)
-            buffer = free.pop() if free else None
-            if buffer is not None:
-                self._held -= nbytes
+        buffer = None
+        with self._lock:  # nothing the garbage collector tracks is made while it is held: a
+            # collection there could run a _Lease's __del__, whose give_back would wait for it
+            for i in range(len(self._free) - 1, -1, -1):  # the latest released: warmest
+                if self._free[i].nbytes == nbytes:
+                    buffer = self._free.pop(i)
+                    self._held -= nbytes
+                    break
         if buffer is None:
             buffer = np.empty(nbytes, np.uint8)
         leased: np.ndarray = np.asarray(_Lease(buffer, self)).view(dtype).reshape(shape)
         return leased
 
     def give_back(self, buffer: np.ndarray) -> None:
-        """Keep ``buffer`` for a later output of its size, if the pool has room."""
+        """Keep ``buffer`` for a later output of its size, freeing the buffers released longest
+        ago as far as it needs room; a buffer larger than the pool is freed."""
         nbytes = buffer.nbytes
-        with self._lock:
-            if self._held + nbytes <= self.capacity:
-                self._free.setdefault(nbytes, []).append(buffer)
-                self._held += nbytes
+        with self._lock:  # a buffer freed here is a plain array: freeing it runs no Python code
+            if nbytes > self.capacity:
+                return
+            while self._held + nbytes > self.capacity:
+                self._held -= self._free.pop(0).nbytes
+            self._free.append(buffer)
+            self._held += nbytes
 
     @property
     def held_bytes(self) -> int:
