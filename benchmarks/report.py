@@ -701,6 +701,144 @@ def auto_table(all_rows: Sequence[Row]) -> Table:
     )
 
 
+#: What the page says under the default's table against the peers: where the gaps come from
+#: (measured and explained in the pages it links to).
+DEFAULT_VS_PEERS: Final = (
+    "Each call made with no backend named is compared with the fastest peer measured beside it; "
+    "the second table lists every call more than the tolerance behind. The gaps are of three "
+    "kinds. **Small inputs, a few µs at every size:** the fixed cost of a call made from "
+    "Python. On a CPU tensor normlab reads the dtype, shape, strides, device and "
+    "`requires_grad` of x, weight and bias for its validation cache and allocates y before its "
+    "kernel runs, where `F.layer_norm` makes the same checks in C++ (about 3 µs at one row; "
+    "see [the Numba backend](numba.md#per-call-cost)); on NumPy input the peers are torch "
+    "eager on a tensor and ONNX Runtime writing into an output it was given. The fused ops' "
+    "peer is torch's add and torch's norm, two C++ calls (see "
+    "[Fused residual add](fused.md#why-the-small-input-target-is-out-of-reach)). **Large "
+    "allocating calls:** a fresh y costs page faults; compare the `numba out=` rows, which "
+    "time the kernel into existing memory as ORT's io_binding does (see "
+    "[the output pool](numba.md#allocating-calls-the-output-pool)). **Large inputs in half "
+    "precision:** numba converts float16 and bfloat16 in the kernel (see "
+    "[Half precision](numba.md#half-precision)); where torch or ORT is ahead there, it is by "
+    "the ratio shown. Large calls are bound by memory on two cores, where 10–20% moves from run "
+    "to run: compare runs with `--compare`."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGap:
+    """One auto row (normlab's own choice) beside the fastest peer measured on its input."""
+
+    row: Row
+    peer: Row
+
+    @property
+    def ratio(self) -> float:
+        """The auto call's time over the peer's: above 1, the peer is faster."""
+        return self.row.seconds / self.peer.seconds
+
+    @property
+    def gap_us(self) -> float:
+        return (self.row.seconds - self.peer.seconds) * 1e6
+
+    @property
+    def behind(self) -> bool:
+        return self.ratio > AUTO_TOLERANCE
+
+
+def peer_gaps(all_rows: Sequence[Row]) -> list[PeerGap]:
+    """Every auto row with the fastest peer (:data:`PEERS`) measured on the same op, shape and
+    dtype; rows with no peer beside them are left out."""
+    peers: dict[tuple[Any, ...], Row] = {}
+    for r in all_rows:
+        if r.kind == "reference" and r.subject in PEERS:
+            key = (r.op, r.shape, r.dtype)
+            if key not in peers or r.seconds < peers[key].seconds:
+                peers[key] = r
+    return [
+        PeerGap(r, peers[(r.op, r.shape, r.dtype)])
+        for r in all_rows
+        if r.kind != "reference" and r.subject in AUTO and (r.op, r.shape, r.dtype) in peers
+    ]
+
+
+def peer_summary_table(gaps: Sequence[PeerGap]) -> Table:
+    """Per op, input family and dtype: how many of the default's calls are ahead of (or within
+    :data:`AUTO_TOLERANCE` of) the fastest peer, and how far the others are behind, small and
+    large inputs apart (a gap of a few µs at every small size is a per-call cost; a ratio that
+    holds at large sizes is the kernel's or the allocation's)."""
+    groups: dict[tuple[str, str, str], list[PeerGap]] = defaultdict(list)
+    for g in gaps:
+        groups[(str(g.row.op), AUTO[g.row.subject], g.row.dtype)].append(g)
+    order = [*OP_TITLES, *sorted(set(op for op, _, _ in groups) - set(OP_TITLES))]
+    body, alerts = [], set()
+    for (op, family, dtype), group in sorted(
+        groups.items(), key=lambda item: (order.index(item[0][0]), item[0][1])
+    ):
+        behind = [g for g in group if g.behind]
+        small = [g.gap_us for g in behind if _size_class(g.row) == "small"]
+        large = [g.ratio for g in behind if _size_class(g.row) == "large"]
+        if behind:
+            alerts.add(len(body))
+        body.append(
+            (
+                OP_TITLES.get(op, op),
+                family,
+                dtype,
+                str(len(group)),
+                str(len(group) - len(behind)),
+                str(len(small)),
+                f"{statistics.median(small):.1f}" if small else "—",
+                str(len(large)),
+                f"{max(large):.2f}" if large else "—",
+            )
+        )
+    return Table(
+        "normlab's default against the fastest peer",
+        (
+            "op",
+            "input",
+            "dtype",
+            "calls",
+            f"ahead or within {AUTO_TOLERANCE - 1:.0%}",
+            "behind, small",
+            "median gap µs (small)",
+            "behind, large",
+            "worst ratio (large)",
+        ),
+        body,
+        "No backend named (dispatch included) against the fastest peer measured beside it on the "
+        "same shape and dtype (torch eager; in the full matrix also ONNX Runtime allocating and "
+        "through an io_binding into a preallocated output, and torch.compile). Small inputs: "
+        f"x < {SMALL_BYTES // 2**20} MiB; large: x ≥ {LARGE_BYTES // 2**20} MiB; a ratio is "
+        "the default's time over the peer's.",
+        frozenset(alerts),
+    )
+
+
+def peer_gap_table(gaps: Sequence[PeerGap]) -> Table:
+    """Each call where the default is behind the fastest peer by more than the tolerance."""
+    body = [
+        (
+            OP_TITLES.get(str(g.row.op), str(g.row.op)),
+            AUTO[g.row.subject],
+            g.row.dtype,
+            _shape(g.row.shape),
+            _time(g.row.seconds),
+            f"{reference_label(g.peer.op, g.peer.subject)} {_time(g.peer.seconds)}",
+            f"{g.ratio:.2f}",
+            f"{g.gap_us:.1f}",
+        )
+        for g in gaps
+        if g.behind
+    ]
+    return Table(
+        "Where the default is behind a peer",
+        ("op", "input", "dtype", "shape", "no backend named", "fastest peer", "ratio", "gap µs"),
+        body,
+        f"Every call of the table above that is more than {AUTO_TOLERANCE - 1:.0%} behind.",
+    )
+
+
 def memory_table(run: dict[str, Any]) -> Table:
     body = []
     for m in run.get("normlab", {}).get("memory", []):
@@ -751,7 +889,9 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     dtypes = list(dict.fromkeys(r.dtype for r in all_rows))
     measured = ops(all_rows)
     tables = [key_table(all_rows, op) for op in measured]
-    tables += [auto_table(all_rows), dispatch_table(run), memory_table(run)]
+    gaps = peer_gaps(all_rows)
+    tables += [auto_table(all_rows), peer_summary_table(gaps), peer_gap_table(gaps)]
+    tables += [dispatch_table(run), memory_table(run)]
     tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
     return [t for t in tables if t.body]
@@ -994,6 +1134,14 @@ def docs_page(
         if images.get(op):
             parts += [f"![{Path(image).stem}]({image})" for image in images[op]]
             parts.append("")
+    gaps = [g for op, i in chosen.items() for g in peer_gaps(rows(runs[i][1])) if g.row.op == op]
+    if gaps:
+        parts += [f"## {peer_summary_table(gaps).title}", "", DEFAULT_VS_PEERS, ""]
+        parts.append(to_markdown(peer_summary_table(gaps), 0))
+        behind = to_markdown(peer_gap_table(gaps), 0)
+        parts += [f'??? note "{peer_gap_table(gaps).title}"', ""]
+        parts += [f"    {line}" if line else "" for line in behind.splitlines()]
+        parts.append("")
     extras = [
         (dispatch_table, "Dispatch overhead on a tiny array (µs per call)"),
         (memory_table, "Peak memory of one allocating call"),

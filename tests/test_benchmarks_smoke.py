@@ -218,6 +218,48 @@ def test_each_auto_row_is_judged_against_its_own_family() -> None:
     assert not table.alerts
 
 
+def test_the_default_is_judged_against_the_fastest_peer() -> None:
+    """Each auto row against the fastest peer on its shape (not a backend, not the copy); the
+    summary counts the calls behind by more than the tolerance, small and large apart."""
+    small, large = [1, 1024], [4096, 1024]  # 4 KiB and 16 MiB of float32
+    run = _run(ops=())
+    timed = {  # (subject, kind): seconds at (small, large)
+        ("auto", "layer_norm"): (6e-6, 10e-3),
+        ("auto-torch", "layer_norm"): (9e-6, 10e-3),
+        ("numba", "layer_norm"): (1e-6, 1e-3),  # a backend: never the peer
+        ("torch", "reference"): (4e-6, 20e-3),
+        ("ort_iobinding", "reference"): (5e-6, 9.6e-3),  # 1.04× at large: within tolerance
+        ("copy", "reference"): (1e-6, 1e-3),  # a limit: never the peer
+    }
+    run["benchmarks"] = [
+        _bench(kind, None if subject == "copy" else "layer_norm", subject, mode, t, shape)
+        for (subject, kind), times in timed.items()
+        for shape, t in zip((small, large), times, strict=True)
+        for mode in ["out" if subject == "ort_iobinding" else "alloc"]
+    ]
+    gaps = {(g.row.subject, tuple(g.row.shape)): g for g in report.peer_gaps(report.rows(run))}
+    assert set(gaps) == {
+        (s, tuple(shape)) for s in ("auto", "auto-torch") for shape in (small, large)
+    }
+    assert gaps[("auto", (1, 1024))].peer.subject == "torch"
+    assert gaps[("auto", (1, 1024))].gap_us == pytest.approx(2.0)
+    assert gaps[("auto", (4096, 1024))].peer.subject == "ort_iobinding"
+    assert not gaps[("auto", (4096, 1024))].behind  # 10 / 9.6 = 1.04
+    summary = report.peer_summary_table(list(gaps.values()))
+    by_family = {row[1]: row for row in summary.body}
+    # calls, ahead or within, behind small, median gap, behind large, worst ratio
+    assert by_family["NumPy"][3:] == ("2", "1", "1", "2.0", "0", "—")
+    assert by_family["torch CPU"][3:] == ("2", "1", "1", "5.0", "0", "—")
+    assert summary.alerts == {0, 1}
+    behind = report.peer_gap_table(list(gaps.values()))
+    assert [(row[1], row[3]) for row in behind.body] == [
+        ("NumPy", "1×1024"),
+        ("torch CPU", "1×1024"),
+    ]
+    page = report.docs_page([("run.json", run)], {})
+    assert f"## {summary.title}" in page and report.DEFAULT_VS_PEERS in page
+
+
 def test_compare_flags_changes_beyond_the_spread() -> None:
     alloc = ("layer_norm", "layer_norm", "numpy", "alloc")
     out = ("layer_norm", "layer_norm", "numpy", "out")
