@@ -88,7 +88,7 @@ def run(
                     x, residual, weight, bias, plan=plan, out=None, residual_out=None
                 )
             return (y, h) if plan.return_residual else y
-        if r is not None and r.direct_out and _writes_direct(aliasing, r):
+        if r is not None and r.direct_out and layout.writes_direct(aliasing, r.inplace_ok):
             y, h, _, _ = r.function(
                 x, residual, weight, bias, plan=plan, out=out, residual_out=residual_out
             )
@@ -178,7 +178,7 @@ def _run(
     out_y, out_mean, out_rstd = spec.split_out(plan.op, out)
     if call.non_native:  # x and residual themselves are copied by the route
         weight, bias = layout.native(weight), layout.native(bias)
-    writes_direct = _writes_direct(aliasing, r)
+    writes_direct = layout.writes_direct(aliasing, r.inplace_ok)
     backend_out = backend_h = None
     if out_y is not None and r.out_direct and writes_direct:
         backend_out = layout.rows(out_y, call, copy=False)
@@ -204,12 +204,6 @@ def _run(
         else:
             stats = (rstd,)
     return _returned(plan, y, h, stats)
-
-
-def _writes_direct(aliasing: Aliasing, r: FusedRoute) -> bool:
-    """Whether the backend may write the outputs itself: none is the memory of an input, or
-    the backend computes in place."""
-    return aliasing == "separate" or (aliasing == "in_place" and r.inplace_ok)
 
 
 def _written(target: Any, result: Any) -> Any:

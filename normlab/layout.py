@@ -177,7 +177,7 @@ def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) 
             aliasing = output_aliasing(
                 call.plan.op, {"x": x, "weight": weight, "bias": bias}, {"y": out}
             )
-            if aliasing == "separate" or (aliasing == "in_place" and r.inplace_ok):
+            if writes_direct(aliasing, r.inplace_ok):
                 r.function(x, weight, bias, plan=call.plan, out=out)
                 arrays.mark_written(out)
                 return out
@@ -186,6 +186,12 @@ def run(call: Layout, choice: Choice, x: Any, weight: Any, bias: Any, out: Any) 
         raise
     except (Exception, SystemExit) as exc:  # a kernel's sys.exit() must not end the caller
         raise kernel_failure(choice.backend, call.plan.op, exc) from exc
+
+
+def writes_direct(aliasing: Aliasing, inplace_ok: bool) -> bool:
+    """Whether a backend may write the outputs itself: none is the memory of an input, or the
+    backend computes in place (``inplace_ok``)."""
+    return aliasing == "separate" or (aliasing == "in_place" and inplace_ok)
 
 
 def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendError:
