@@ -1136,11 +1136,10 @@ def docs_page(
             parts.append("")
     gaps = [g for op, i in chosen.items() for g in peer_gaps(rows(runs[i][1])) if g.row.op == op]
     if gaps:
-        parts += [f"## {peer_summary_table(gaps).title}", "", DEFAULT_VS_PEERS, ""]
-        parts.append(to_markdown(peer_summary_table(gaps), 0))
-        behind = to_markdown(peer_gap_table(gaps), 0)
-        parts += [f'??? note "{peer_gap_table(gaps).title}"', ""]
-        parts += [f"    {line}" if line else "" for line in behind.splitlines()]
+        summary, behind = peer_summary_table(gaps), peer_gap_table(gaps)
+        parts += [f"## {summary.title}", "", DEFAULT_VS_PEERS, "", to_markdown(summary, 0)]
+        parts += [f'??? note "{behind.title}"', ""]
+        parts += [f"    {line}" if line else "" for line in to_markdown(behind, 0).splitlines()]
         parts.append("")
     extras = [
         (dispatch_table, "Dispatch overhead on a tiny array (µs per call)"),
