@@ -103,6 +103,20 @@ def test_a_pool_full_of_other_sizes_makes_room_for_the_latest(pool: OutputPool) 
     assert _address(pool.empty((2 * MIN_BYTES // 4,), f32)) == other_address
 
 
+def test_the_latest_released_buffer_is_taken_first(pool: OutputPool) -> None:
+    """Of two free buffers of one size the one released last (warmest in cache) is taken; a
+    buffer given back after the pool shrank below its size is freed, not kept."""
+    f32 = np.dtype(np.float32)
+    first, second = (pool.empty((MIN_BYTES // 4,), f32) for _ in range(2))
+    second_address = _address(second)
+    del first, second  # second released last
+    assert _address(pool.empty((MIN_BYTES // 4,), f32)) == second_address
+    pool.clear()
+    pool.capacity = MIN_BYTES
+    pool.give_back(np.empty(2 * MIN_BYTES, np.uint8))  # as a lease of the larger pool would
+    assert pool.held_bytes == 0
+
+
 def test_small_outputs_are_plain_arrays(pool: OutputPool) -> None:
     small = pool.empty((MIN_BYTES // 8 - 1,), np.dtype(np.float64))
     assert small.base is None and small.flags.c_contiguous
