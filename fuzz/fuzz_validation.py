@@ -6,7 +6,7 @@ arrays: any shape, dtype, layout, axes, weight, bias, eps, ``out``, backend and 
 call must return a result of x's shape and dtype or raise a :class:`normlab.NormlabError`;
 anything else (a raw exception, a wrong kind of result) is a finding: atheris stops and writes
 the input to ``crash-<sha1>``. Hangs are caught by libFuzzer's ``-timeout``. The hypothesis
-fuzz tests (``tests/test_fuzz_api.py``) check the values; this harness explores the branches
+fuzz tests (``tests/core/test_fuzz_api.py``) check the values; this harness explores the branches
 of ``normlab.spec``, ``dispatch``, ``layout`` and ``backward`` that coverage leads it to.
 
 Run it through nox: ``python3 -m nox -s fuzz`` (CI: replays ``fuzz/corpus/``, then a
@@ -44,8 +44,8 @@ with atheris.instrument_imports(include=["normlab"], exclude=KERNELS):
     import normlab
     import normlab.backends.numba_backend
     import normlab.backends.numpy_backend
-    import normlab.backward
     import normlab.layout
+    import normlab.route
 
     if torch is not None:
         import normlab.backends.torch_backend

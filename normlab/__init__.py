@@ -18,6 +18,7 @@ from normlab.api import (
 from normlab.dispatch import current_preference, use_backend
 from normlab.errors import (
     ArgumentError,
+    ArgumentTypeError,
     BackendError,
     DeviceError,
     DtypeError,
@@ -26,15 +27,15 @@ from normlab.errors import (
     NormlabWarning,
     ShapeError,
 )
-from normlab.hookspecs import BackendRecord, hookimpl
+from normlab.hookspecs import BackendRecord, Plan, hookimpl
 from normlab.precompile import warmup
 from normlab.registry import list_backends, plugin_failures, register_plugin, unregister_plugin
-from normlab.spec import Plan
 
 __version__ = "0.2.0.dev0"
 
 __all__ = [
     "ArgumentError",
+    "ArgumentTypeError",
     "BackendError",
     "BackendRecord",
     "DeviceError",

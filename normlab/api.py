@@ -1,15 +1,17 @@
-"""The public functions. Each is thin: validate (spec) → choose (dispatch) → run (layout)."""
+"""The public functions. Each is thin: validate (spec) → choose (dispatch) → run (route), the
+same three steps for every op of the table (:func:`_run`)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import autograd, backward, dispatch, fused, layout, registry, spec
+from normlab import arrays, autograd, composition, dispatch, registry, route, spec
 from normlab.errors import ArgumentError, NormlabError
-from normlab.ops import BACKWARD_OPS, FUSED_OPS, OPS
+from normlab.ops import OPS, Op
 
 __all__ = [
     "add_layer_norm",
@@ -20,6 +22,65 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
 ]
+
+_LAYER_NORM: Final = OPS["layer_norm"]
+_RMS_NORM: Final = OPS["rms_norm"]
+_ADD_LAYER_NORM: Final = OPS["add_layer_norm"]
+_ADD_RMS_NORM: Final = OPS["add_rms_norm"]
+_LAYER_NORM_BACKWARD: Final = OPS["layer_norm_backward"]
+_RMS_NORM_BACKWARD: Final = OPS["rms_norm_backward"]
+
+
+def _tensors_of(op: Op) -> Callable[[tuple[Any, ...]], Any]:
+    """The function taking the arguments torch must see (:data:`normlab.ops.Op.tensors`) out
+    of ``op``'s arguments."""
+    getter = operator.itemgetter(*(op.index[t] for t in op.tensors))
+    return getter if len(op.tensors) > 1 else lambda args: (getter(args),)
+
+
+#: Per op name, :func:`_tensors_of` (made on the first call of an op added since).
+_TENSORS: Final = {name: _tensors_of(op) for name, op in OPS.items()}
+
+
+def run(op: str, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+    """A call of any op of the table (:mod:`normlab.ops`) by its name: ``args`` and ``kwargs``
+    bound by the table (:func:`normlab.spec.arguments`: ``OPS[op].arguments`` in order, the
+    rest by name, defaults for what is not given), ``backend`` as for every op. The public
+    functions above are these calls with their signatures and documentation."""
+    table = OPS.get(op)
+    if table is None:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
+    return _run(table, spec.arguments(op, *args, **kwargs), backend)
+
+
+def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
+    """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run.
+    A fused op that no able backend provides, or an empty one, is composed by the core."""
+    call = spec.validated(op, args)
+    plan = call.plan
+    choice = dispatch.choose(plan, named)
+    if op.base is not None and (choice.composed or plan.empty):
+        return composition.run(call, choice, args)
+    if plan.family == "torch":  # what torch must see of the call (autograd, transforms)
+        tensors = _TENSORS.get(op.name) or _TENSORS.setdefault(op.name, _tensors_of(op))
+        choice = autograd.through_graph(plan, choice, op.tensors, tensors(args))
+    result = route.run(call, choice, args)
+    if op.per_feature_outputs:
+        return _in_parameter_dtype(op, args, result)
+    return result
+
+
+def _in_parameter_dtype(op: Op, args: tuple[Any, ...], gradients: tuple[Any, ...]) -> Any:
+    """A backward op's gradients with those of the parameters (computed in the compute dtype) in
+    weight's dtype, x's without weight: torch gives a parameter's gradient in its own dtype."""
+    like = args[op.index["weight"]]
+    like = args[op.index["x"]] if like is None else like
+    return tuple(
+        arrays.astype(g, like.dtype)
+        if name in op.per_feature_outputs and g is not None and g.dtype != like.dtype
+        else g
+        for name, g in zip(op.outputs, gradients, strict=True)
+    )
 
 
 def layer_norm(
@@ -63,13 +124,8 @@ def layer_norm(
         NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
             ArgumentError, BackendError).
     """
-    call = spec.validated(
-        "layer_norm", x, normalized_shape, weight, bias, eps, axis, return_stats, out
-    )
-    choice = dispatch.choose(call.plan, backend)
-    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
-        choice = autograd.through_graph(call.plan, choice)
-    return layout.run(call, choice, x, weight, bias, out)
+    args = (x, normalized_shape, weight, bias, eps, axis, return_stats, out)
+    return _run(_LAYER_NORM, args, backend)
 
 
 def rms_norm(
@@ -87,7 +143,8 @@ def rms_norm(
 
     No mean is subtracted and there is no bias. The statistic is per row over the normalized
     axes, exactly as for :func:`layer_norm` (``normalized_shape``/``axis``, default the last
-    axis); ``eps=None`` means ``finfo(x.dtype).eps``, as ``torch.nn.functional.rms_norm``.
+    axis); ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
+    bfloat16 and float32 x, float64's for float64), as ``torch.nn.functional.rms_norm``.
     float16/bfloat16 accumulate in float32, so the sum of squares cannot overflow.
 
     Returns:
@@ -98,13 +155,7 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    call = spec.validated(
-        "rms_norm", x, normalized_shape, weight, None, eps, axis, return_stats, out
-    )
-    choice = dispatch.choose(call.plan, backend)
-    if choice.records_no_graph:  # torch tensors on a backend that records no autograd graph
-        choice = autograd.through_graph(call.plan, choice)
-    return layout.run(call, choice, x, weight, None, out)
+    return _run(_RMS_NORM, (x, normalized_shape, weight, eps, axis, return_stats, out), backend)
 
 
 def add_layer_norm(
@@ -156,10 +207,11 @@ def add_layer_norm(
             outputs with inputs or with each other other than the in-place forms above is an
             ArgumentError.
     """
-    return fused.run(
-        "add_layer_norm", x, residual, normalized_shape, weight, bias, eps, axis, backend,
-        return_stats, return_residual, out, residual_out,
+    args = (
+        x, residual, normalized_shape, weight, bias, eps, axis, return_stats, return_residual,
+        out, residual_out,
     )  # fmt: skip
+    return _run(_ADD_LAYER_NORM, args, backend)
 
 
 def add_rms_norm(
@@ -179,13 +231,14 @@ def add_rms_norm(
     """Residual add fused with RMS normalization: ``h = x + residual``, ``y = rms_norm(h)``.
 
     As :func:`add_layer_norm`, with :func:`rms_norm`'s arithmetic (no mean, no bias;
-    ``eps=None``: ``finfo(x.dtype).eps``). Returns ``(y, h)``; ``(y, h, rstd)`` with
+    ``eps=None``: the compute dtype's machine epsilon). Returns ``(y, h)``; ``(y, h, rstd)`` with
     ``return_stats``; with ``return_residual=False``: ``y`` or ``(y, rstd)``.
     """
-    return fused.run(
-        "add_rms_norm", x, residual, normalized_shape, weight, None, eps, axis, backend,
-        return_stats, return_residual, out, residual_out,
+    args = (
+        x, residual, normalized_shape, weight, eps, axis, return_stats, return_residual, out,
+        residual_out,
     )  # fmt: skip
+    return _run(_ADD_RMS_NORM, args, backend)
 
 
 def layer_norm_backward(
@@ -228,9 +281,8 @@ def layer_norm_backward(
         NormlabError: a subclass naming the problem (a shape, dtype or device that does not
             match x, an unknown ``needs`` entry, a backend that cannot serve the call).
     """
-    return backward.run(
-        "layer_norm_backward", dy, x, mean, rstd, weight, normalized_shape, axis, backend, needs
-    )
+    args = (dy, x, mean, rstd, weight, normalized_shape, axis, needs)
+    return _run(_LAYER_NORM_BACKWARD, args, backend)  # type: ignore[no-any-return]
 
 
 def rms_norm_backward(
@@ -252,10 +304,8 @@ def rms_norm_backward(
     dtypes and the errors are as for :func:`layer_norm_backward` (``needs``: ``"x"``,
     ``"weight"``).
     """
-    dx, dweight, _ = backward.run(
-        "rms_norm_backward", dy, x, None, rstd, weight, normalized_shape, axis, backend, needs
-    )
-    return dx, dweight
+    args = (dy, x, rstd, weight, normalized_shape, axis, needs)
+    return _run(_RMS_NORM_BACKWARD, args, backend)  # type: ignore[no-any-return]
 
 
 def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
@@ -267,57 +317,25 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     backend with the reason it was or was not chosen, the preference in force, and whether the
     call copies its inputs.
     """
-    if op not in _FUNCTIONS:
-        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(_FUNCTIONS)}")
-    try:
-        bound = _signature(op).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise ArgumentError(f"explain(op={op!r}): {exc}") from None
-    bound.apply_defaults()
-    arguments = bound.arguments
+    if op not in OPS:
+        raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
+    table = OPS[op]
+    if op in _FUNCTIONS:  # bound as the op's own function binds them
+        try:
+            bound = _signature(op).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ArgumentError(f"explain(op={op!r}): {exc}") from None
+        bound.apply_defaults()
+        arguments = bound.arguments
+    else:  # an op without a function of its own: bound by the table, as run() binds them
+        named_backend = kwargs.pop("backend", None)
+        arguments = dict(zip(table.arguments, spec.arguments(op, *args, **kwargs), strict=True))
+        arguments["backend"] = named_backend
     named = arguments["backend"]
+    args = tuple(arguments[name] for name in table.arguments)
     x = arguments["x"]
     lines = [f"normlab.{op} on {type(x).__module__}.{type(x).__qualname__}"]
-    composed = False
-    if op in FUSED_OPS:
-        call = spec.validated_fused(
-            op,
-            x,
-            arguments["residual"],
-            arguments["normalized_shape"],
-            arguments["weight"],
-            arguments.get("bias"),
-            arguments["eps"],
-            arguments["axis"],
-            arguments["return_stats"],
-            arguments["return_residual"],
-            arguments["out"],
-            arguments["residual_out"],
-        )
-    elif op in BACKWARD_OPS:
-        call = spec.validated_backward(
-            op,
-            arguments["dy"],
-            x,
-            arguments.get("mean"),
-            arguments["rstd"],
-            arguments["weight"],
-            arguments["normalized_shape"],
-            arguments["axis"],
-            arguments["needs"],
-        )
-    else:
-        call = spec.validated(
-            op,
-            x,
-            arguments["normalized_shape"],
-            arguments["weight"],
-            arguments.get("bias"),
-            arguments["eps"],
-            arguments["axis"],
-            arguments["return_stats"],
-            arguments["out"],
-        )
+    call = spec.validated(table, args)
     plan = call.plan
     lines.append(
         f"  x: {plan.dtype} {plan.shape} on {plan.device}"
@@ -327,18 +345,16 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     preference = dispatch.current_preference()
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
     try:
-        if op in FUSED_OPS:
-            choice, composed = fused.choose(call, named)
-        else:
-            choice = dispatch.choose(plan, named)
+        choice = dispatch.choose(plan, named)
     except NormlabError as exc:
         lines.append(f"  no choice: {exc}")
         return "\n".join(lines)
     lines.append(f"  chosen: {choice.backend.name} ({choice.how})")
-    if composed:
+    lines.append(f"  rows: {_invariance(choice.backend, named is not None)}")
+    if choice.composed:
         lines.append(
             f"  composed: {choice.backend.name} does not provide {op}; the core adds x + "
-            f"residual with x's library, then runs {choice.backend.name}'s {OPS[op].base}"
+            f"residual with x's library, then runs {choice.backend.name}'s {table.base}"
         )
     lines.append("  candidates:")
     if named is None:
@@ -351,42 +367,32 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     if plan.empty:
         lines.append("  empty input: no kernel is launched")
         return "\n".join(lines)
-    try:
-        if op in BACKWARD_OPS:
-            copies = {name: layout.copy_reason(name, call, choice.backend) for name in ("dy", "x")}
-        elif op in FUSED_OPS:
-            copies = {
-                name: None if composed else layout.copy_reason(name, call, choice.backend)
-                for name in ("x", "residual")
-            }
-        else:
-            copies = {"x": layout.route(call, choice).copy_x}
-    except NormlabError as exc:
-        lines.append(f"  the chosen backend cannot run: {exc}")
-        return "\n".join(lines)
-    for name, reason in copies.items():
-        lines.append(
-            f"  layout: {f'copy of {name} — ' + reason if reason else f'no copy of {name}'}"
-        )
-    converted = ", ".join(sorted(call.non_native - copies.keys()))
-    if converted:
-        lines.append(f"  byte order: a native copy of {converted} (non-native byte order)")
-    if op in FUSED_OPS and not composed and (call.has_out or call.has_residual_out):
-        r = fused.route(call, choice)
-        for name, given, direct in (
-            ("out", call.has_out, r.out_direct),
-            ("residual_out", call.has_residual_out, r.residual_out_direct),
-        ):
-            if given:
-                lines.append(f"  {name}: written {'directly' if direct else 'through a temporary'}")
-    elif call.has_out and op not in FUSED_OPS:
-        how = "directly" if layout.route(call, choice).out_direct else "through one temporary"
-        lines.append(f"  out: written {how}")
+    if not choice.composed:
+        try:
+            lines.extend(f"  {line}" for line in route.describe(call, choice))
+        except NormlabError as exc:
+            lines.append(f"  the chosen backend cannot run: {exc}")
+            return "\n".join(lines)
     backend_notes = getattr(choice.backend.module, "explain", None)
     if backend_notes is not None:
         notes = backend_notes(x, plan=plan)
         lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)
+
+
+def _invariance(backend: registry.Backend, named: bool) -> str:
+    """explain()'s line on batch invariance: the choice, and the chosen backend's promise."""
+    choice = (
+        "named, so every batch goes to it"
+        if named
+        else "the same choice for any number of rows of this op, dtype and row length"
+    )
+    if backend.batch_invariant:
+        return f"{choice}; {backend.name} gives a row the same bits in any batch (batch invariant)"
+    return (
+        f"{choice}; {backend.name} declares batch_invariant=False: a row's bits may depend on "
+        "the rest of its batch"
+    )
 
 
 _FUNCTIONS: Final[dict[str, Callable[..., Any]]] = {

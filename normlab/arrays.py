@@ -11,9 +11,9 @@ validation and dispatch need (a cheap hashable ``key`` for the call cache, and a
 
 Where an inspector comes from, for a type's family: the core's own for NumPy, PyTorch and CuPy;
 else one that a backend record supplies (``BackendRecord.inspector``, looked up through
-:func:`use_supplied_inspectors`, which the registry installs); else the built-in fallbacks for JAX
-and Dask (for plugin versions that supply none); else :class:`ArrayApiInspector` for a type that
-exposes ``__array_namespace__``; else the generic :class:`Inspector`.
+:func:`use_supplied_inspectors`, which the registry installs: normlab-jax and normlab-dask supply
+theirs); else :class:`ArrayApiInspector` for a type that exposes ``__array_namespace__``; else
+the generic :class:`Inspector`.
 """
 
 from __future__ import annotations
@@ -368,67 +368,6 @@ class CupyInspector(Inspector):
         sys.modules["cupy"].copyto(dst, src)
 
 
-class JaxInspector(Inspector):
-    """JAX arrays: immutable, no strides; a tracer (inside ``jit``/``grad``/``vmap``) has no
-    concrete device and is named ``"<kind>:traced"``, a sharded array ``"<kind>:sharded"``.
-
-    The fallback for normlab-jax versions whose record supplies no inspector (before 0.2)."""
-
-    def key(self, x: Any) -> tuple[Any, ...]:
-        return (x.dtype, x.shape, self._device(x))
-
-    def info(self, x: Any) -> ArrayInfo:
-        device = self._device(x)
-        return ArrayInfo(
-            family="jax",
-            type_name=self.type_name,
-            dtype=_dtype_name(x.dtype),
-            shape=tuple(x.shape),
-            strides=None,
-            itemsize=x.dtype.itemsize,
-            device=device,
-            device_kind=device.split(":")[0],
-            writeable=False,
-        )
-
-    def _device(self, x: Any) -> str:
-        try:
-            devices = x.devices()
-        except Exception:  # a tracer: placement is decided by JAX when it runs
-            import jax
-
-            return f"{_platform_kind(jax.default_backend())}:traced"
-        if len(devices) != 1:
-            return f"{_platform_kind(next(iter(devices)).platform)}:sharded"
-        device = next(iter(devices))
-        return f"{_platform_kind(device.platform)}:{device.id}"
-
-
-class DaskInspector(Inspector):
-    """Dask arrays: lazy, immutable; the device is that of the chunk type (``_meta``).
-
-    The fallback for normlab-dask versions whose record supplies no inspector (before 0.2)."""
-
-    def key(self, x: Any) -> tuple[Any, ...]:
-        return (x.dtype, x.shape, type(getattr(x, "_meta", None)))
-
-    def info(self, x: Any) -> ArrayInfo:
-        meta_type: Any = type(getattr(x, "_meta", None))
-        chunk_family = _family_of_type(meta_type)
-        device = "cuda" if chunk_family == "cupy" else "cpu"
-        return ArrayInfo(
-            family="dask",
-            type_name=self.type_name,
-            dtype=_dtype_name(x.dtype),
-            shape=tuple(x.shape),
-            strides=None,
-            itemsize=x.dtype.itemsize,
-            device=device,
-            device_kind=device,
-            writeable=False,
-        )
-
-
 class ArrayApiInspector(Inspector):
     """Arrays of any other library that exposes the Array API standard (``__array_namespace__``):
     dtypes named as the namespace names them (``float64``, not ``array_api_strict.float64``),
@@ -517,10 +456,6 @@ def _array_api_device(device: Any) -> str:
     return text
 
 
-def _platform_kind(platform: str) -> str:
-    return "cuda" if platform in ("gpu", "cuda", "rocm") else platform
-
-
 def comparable_devices(a: str, b: str) -> bool:
     """Whether arrays on devices ``a`` and ``b`` may be used together: the same device, or a
     device that is only known when the computation runs (a JAX tracer or a sharded array)."""
@@ -534,11 +469,6 @@ _CORE_INSPECTORS: Final[dict[str, type[Inspector]]] = {
     "numpy": NumpyInspector,
     "torch": TorchInspector,
     "cupy": CupyInspector,
-}
-#: Used while a family's plugin supplies no inspector of its own (older plugin versions).
-_FALLBACK_INSPECTORS: Final[dict[str, type[Inspector]]] = {
-    "jax": JaxInspector,
-    "dask": DaskInspector,
 }
 
 
@@ -595,9 +525,6 @@ def _inspector_class(array_type: type, family: str) -> type[Inspector]:
     supplied = _supplied(family)
     if supplied is not None:
         return supplied
-    fallback = _FALLBACK_INSPECTORS.get(family)
-    if fallback is not None:
-        return fallback
     if hasattr(array_type, "__array_namespace__"):
         global _array_api_families
         _array_api_families = _array_api_families | {family}

@@ -91,7 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the conformance suite against backend NAME. Arguments after -- are "
         "passed to pytest.",
     )
-    check.add_argument("name", metavar="NAME", help="a backend name (see 'normlab info')")
+    check.add_argument(
+        "name",
+        metavar="NAME",
+        help="a backend name (see 'normlab info'); default:FAMILY for the default choice on "
+        "FAMILY's arrays (no backend named); default for every installed family's",
+    )
     check.add_argument(
         "--profile",
         choices=("ci", "full"),
@@ -311,6 +316,7 @@ def _info_one(name: str, console: Console) -> int:
         ("ops", Text(", ".join(sorted(b.ops)))),
         ("capabilities", Text(", ".join(sorted(b.capabilities)) or "—")),
         ("flushes subnormals", Text(_flushing(b))),
+        ("batch invariant", Text(_invariance(b))),
         ("priority", Text(str(b.priority))),
         ("provided by", Text(b.provided_by)),
     )
@@ -330,6 +336,12 @@ def _flushing(b: Backend) -> str:
     return "no"
 
 
+def _invariance(b: Backend) -> str:
+    if b.batch_invariant:
+        return "yes — a row's bits never depend on the rest of the batch"
+    return "no — declared batch_invariant=False: a row's bits may depend on its batch"
+
+
 def _dtype_order(dtypes: Iterable[str]) -> list[str]:
     known = {name: i for i, name in enumerate(FLOAT_DTYPES)}
     return sorted(dtypes, key=lambda d: (known.get(d, len(known)), d))
@@ -343,11 +355,14 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
     """Run ``normlab.testing.check`` on one backend and return its exit status: 2 when the
     backend is unknown or the suite's dependencies are missing, 1 when the backend cannot load
     (or is unavailable here, without ``--allow-unavailable``), each said in one line."""
-    try:
-        registry.get(ns.name)
-    except BackendError as exc:
-        _error(str(exc))
-        return 2
+    from normlab.testing.default_choice import EVERY_FAMILY, default_subjects, is_default
+
+    if ns.name != EVERY_FAMILY and not is_default(ns.name):
+        try:
+            registry.get(ns.name)
+        except BackendError as exc:
+            _error(str(exc))
+            return 2
     missing = [name for name in ("pytest", "hypothesis") if importlib.util.find_spec(name) is None]
     if missing:
         _error(f"the conformance suite needs {' and '.join(missing)}: pip install 'normlab[test]'")
@@ -355,7 +370,9 @@ def _check(ns: argparse.Namespace, console: Console, pytest_args: list[str]) -> 
     from normlab import testing
     from normlab.testing.preflight import obstacle
 
-    problem = obstacle(ns.name, allow_unavailable=ns.allow_unavailable)
+    names = default_subjects() if ns.name == EVERY_FAMILY else [ns.name]
+    problems = [obstacle(name, allow_unavailable=ns.allow_unavailable) for name in names]
+    problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         _error(problem)
         return 1

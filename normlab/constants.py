@@ -28,7 +28,8 @@ FLOAT_DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES: Final = frozenset({"float16", "bfloat16"})
 #: Bytes per element of each dtype.
 ITEMSIZE: Final = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-#: ``finfo(dtype).eps``: rms_norm's default eps (as ``torch.nn.functional.rms_norm``).
+#: ``finfo(dtype).eps``; rms_norm's default eps is that of the compute dtype (float32 for half
+#: x), as ``torch.nn.functional.rms_norm``'s.
 MACHINE_EPS: Final = {
     "float16": 2.0**-10,
     "bfloat16": 2.0**-7,

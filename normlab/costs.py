@@ -3,10 +3,14 @@
 A backend's :class:`~normlab.hookspecs.CostModel` for an op comes from, in order: the calibration
 file ``normlab calibrate`` wrote on this machine (``costs.json`` in normlab's cache directory,
 ``$NORMLAB_CACHE_DIR/calibration``), else the model its record declares (the built-in backends
-ship models measured on a 2-core x86-64 VM, ``normlab/backends/costs.json``). A call's estimate
-depends on its metadata alone: the op, the dtype and the log2 bucket of x's size in bytes, never
-on timings taken at call time — so a choice is cached, and the same call always goes to the same
-backend on one machine.
+ship models measured on a 2-core x86-64 VM, ``normlab/backends/costs.json``). Estimates depend on
+metadata alone (the op, the dtype, the size of x), never on timings taken at call time.
+
+The choice compares backends over a call's whole row profile, not at its own size: for one op,
+dtype and row length, :func:`profile_us` estimates every row count of :data:`GRID_ROWS`, so the
+same backend serves every batch of that row length (batch invariance: a row's bits never depend
+on the number of rows beside it). The dispatcher takes the backend whose worst ratio to the
+fastest able backend, over those row counts, is the smallest.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from normlab.registry import Backend
 
 __all__ = [
     "CALIBRATION_FILE",
+    "GRID_BYTES",
+    "GRID_ROWS",
     "THROUGH_GRAPH_US",
-    "bucket",
     "calibration_path",
     "estimate_us",
+    "grid_rows",
     "model",
+    "profile_us",
     "reload",
     "through_graph_us",
 ]
@@ -46,20 +53,50 @@ CALIBRATION_FILE: Final = "costs.json"
 THROUGH_GRAPH_US: Final = 100.0
 
 
-def bucket(plan: Plan) -> int:
-    """The log2 bucket of x's size in bytes (``bit_length``): calls in one bucket cost alike."""
-    return (plan.rows * plan.cols * ITEMSIZE[plan.dtype]).bit_length()
+#: The row counts a choice compares the backends at, for the call's row length: 1, 4, 16 …
+#: 4^10 rows, those whose x stays within :data:`GRID_BYTES` (1 row always).
+GRID_ROWS: Final = tuple(4**k for k in range(11))
+#: The largest x the row profile looks at (1 GiB): beyond, every model is proportional to size.
+GRID_BYTES: Final = 1 << 30
+
+
+def grid_rows(cols: int, dtype: str) -> tuple[int, ...]:
+    """The row counts of :data:`GRID_ROWS` whose x of ``cols`` elements per row of ``dtype``
+    fits in :data:`GRID_BYTES` (at least one row)."""
+    row_bytes = max(cols, 1) * ITEMSIZE[dtype]
+    return tuple(r for r in GRID_ROWS if r == 1 or r * row_bytes <= GRID_BYTES)
 
 
 def estimate_us(backend: Backend, plan: Plan) -> float | None:
-    """The estimated microseconds of ``plan`` on ``backend`` at the middle of its size bucket
-    (plus :func:`through_graph_us` for tensors that require grad on a backend that records no
-    graph), or None when the backend declares no model for the op or the dtype."""
+    """The estimated microseconds of ``plan`` on ``backend`` (plus :func:`through_graph_us`
+    for tensors that require grad on a backend that records no graph), or None when the backend
+    declares no model for the op or the dtype, or the number of rows is symbolic (a trace with
+    dynamic shapes: its value is not to be read). For explain(): the choice uses
+    :func:`profile_us`."""
+    if type(plan.rows) is not int or type(plan.cols) is not int:
+        return None
+    return _estimate(backend, plan, plan.rows * plan.cols * ITEMSIZE[plan.dtype])
+
+
+def profile_us(backend: Backend, plan: Plan) -> tuple[float, ...] | None:
+    """The estimates of ``plan``'s op on ``backend`` at each row count of :func:`grid_rows`
+    (``plan``'s row length, dtype and graph need; its own number of rows plays no part), or
+    None when the backend declares no model for the op or the dtype."""
+    cols = int(plan.cols)  # a symbolic one (dynamic shapes) as its value
+    row_bytes = cols * ITEMSIZE[plan.dtype]
+    estimates = []
+    for rows in grid_rows(cols, plan.dtype):
+        estimate = _estimate(backend, plan, rows * row_bytes)
+        if estimate is None:
+            return None
+        estimates.append(estimate)
+    return tuple(estimates)
+
+
+def _estimate(backend: Backend, plan: Plan, x_bytes: float) -> float | None:
     found = model(backend, plan.op, plan.family)
     if found is None:
         return None
-    b = bucket(plan)
-    x_bytes = 0.0 if b == 0 else 2.0 ** (b - 0.5)  # bytes in [2^(b-1), 2^b)
     estimate = found.estimate_us(x_bytes, plan.dtype)
     if estimate is not None and plan.requires_grad and "autograd" not in backend.capabilities:
         estimate += through_graph_us()
@@ -120,7 +157,11 @@ def _through_graph(data: Any) -> float | None:
     if value is None:
         return None
     number = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value >= 0):
+    try:
+        finite = number and math.isfinite(float(value))
+    except OverflowError:  # an int too large for a float (a hand-edited file)
+        finite = False
+    if not (finite and value >= 0):
         raise ValueError(f"through_graph_us must be a finite number >= 0, got {value!r}")
     return float(value)
 

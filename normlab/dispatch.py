@@ -7,15 +7,21 @@ Order of precedence:
    ``NORMLAB_BACKEND`` environment variable: a preference, used when that backend can serve;
 3. otherwise, among the available backends that serve the op, the array family, the device
    kind, the dtype and (for tensors that require grad) the graph (see :func:`keeps_graph`): the
-   highest-priority one — unless it declares a cost model (:mod:`normlab.costs`), in which case
-   the able backend with the lowest estimated time among those that declare one (priority
+   highest-priority one — unless it declares a cost model (:mod:`normlab.costs`), in which case,
+   among those that declare one, the able backend whose estimates over the row profile of the
+   call's row length (:func:`normlab.costs.profile_us`: 1, 4, 16 … rows) are never far from the
+   fastest's: the smallest worst ratio to the fastest estimate at any row count (priority
    breaks ties).
+
+**Batch invariance.** The choice never depends on the number of rows: for one op, family,
+device kind, dtype, row length and graph need, every batch goes to the same backend, and each
+backend gives a row the same bits alone or in any batch; so does the default call.
 
 A backend serves the families of its ``zero_copy_families`` (another library's arrays, read in
 place on the same device) like its own; those of its ``explicit_families`` only when named by
 ``backend=`` or ``use_backend``. There are no implicit device moves and no conversions between
-array libraries. Choices are cached per (op, family, device kind, dtype, requires-grad, size
-bucket, named backend, preference): a pure function of metadata and the cost models, never of
+array libraries. Choices are cached per (op, family, device kind, dtype, requires-grad, row
+length, named backend, preference): a pure function of metadata and the cost models, never of
 timings taken at call time. The ``normlab.dispatch`` logger says at DEBUG what was chosen and why.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -34,9 +41,9 @@ from typing import Any, Final
 
 from normlab import costs, registry
 from normlab.errors import BackendError, NormlabWarning
+from normlab.hookspecs import Plan
 from normlab.ops import OPS
 from normlab.registry import Backend
-from normlab.spec import Plan
 
 __all__ = [
     "Choice",
@@ -67,7 +74,7 @@ class Choice:
     itself (no ``autograd`` capability); the core runs such a backend through normlab's custom
     ops when a tensor requires grad or a torch trace is in progress (:mod:`normlab.autograd`).
     ``composed``: a fused op that no able backend provides, served by the core's composition on
-    the backend chosen for its base op (:mod:`normlab.fused`).
+    the backend chosen for its base op (:mod:`normlab.composition`).
     """
 
     backend: Backend
@@ -201,8 +208,9 @@ def keeps_graph(backend: Backend, op: str) -> bool:
     if "autograd" in backend.capabilities:
         return True
     table = OPS.get(op)
-    base = table.base if table is not None and table.base is not None else op  # fused ops
-    return op.endswith("_backward") or f"{base}_backward" in backend.ops
+    if table is None or table.gradient_op is None:
+        return table is not None  # a backward op: run through its custom op as a graph leaf
+    return table.gradient_op in backend.ops
 
 
 def choose(plan: Plan, named: str | None = None) -> Choice:
@@ -221,7 +229,10 @@ def choose(plan: Plan, named: str | None = None) -> Choice:
         plan.device_kind,
         plan.dtype,
         plan.requires_grad,
-        (plan.rows * plan.cols).bit_length(),  # with the dtype: costs.bucket, inlined
+        # never the number of rows (batch invariance); a symbolic row length (torch.compile
+        # with dynamic shapes) is read as its value: the graph is specialized to it, rows stay
+        # symbolic
+        plan.cols if type(plan.cols) is int else int(plan.cols),
         named,
         preference,
     )
@@ -247,15 +258,36 @@ def _load_failure(backend: Backend) -> str | None:
     return None
 
 
-def _cheapest(able: list[tuple[Backend, float | None]]) -> tuple[Backend, bool]:
-    """The backend to use among ``able`` (highest priority first, with their estimates), and
-    whether cost decided: the highest-priority one unless it has an estimate, then the lowest
-    estimate among those that have one (the earlier, higher-priority one on a tie)."""
-    first, first_estimate = able[0]
-    if first_estimate is None:
-        return first, False
-    estimated = [(e, i) for i, (_, e) in enumerate(able) if e is not None]
-    return able[min(estimated)[1]][0], len(estimated) > 1
+def _cheapest(able: list[tuple[Backend, Profile]]) -> tuple[Backend, float | None]:
+    """The backend to use among ``able`` (highest priority first, with their row profiles), and
+    its worst ratio when cost decided (None: priority did): the highest-priority one unless it
+    has a profile, then, among those that have one, the smallest worst ratio to the fastest
+    estimate at each row count (the earlier, higher-priority one on a tie)."""
+    first, first_profile = able[0]
+    if first_profile is None:
+        return first, None
+    profiled = [(i, p) for i, (_, p) in enumerate(able) if p is not None]
+    if len(profiled) == 1:
+        return first, None
+    ratio, index = min((_worst_ratio(p, profiled), i) for i, p in profiled)
+    return able[index][0], ratio
+
+
+#: A backend's estimates at the row counts of its row profile (costs.profile_us), or None.
+Profile = tuple[float, ...] | None
+
+
+def _worst_ratio(
+    profile: tuple[float, ...], profiled: list[tuple[int, tuple[float, ...]]]
+) -> float:
+    """The largest ratio, over the row counts, of ``profile``'s estimate to the fastest one of
+    ``profiled`` there (1.0: never slower than any other)."""
+    worst = 1.0
+    for k, estimate in enumerate(profile):
+        fastest = min(p[k] for _, p in profiled)
+        if estimate > fastest:
+            worst = max(worst, estimate / fastest if fastest > 0 else math.inf)
+    return worst
 
 
 def _decide_or_compose(plan: Plan, named: str | None, preference: str | None) -> Choice:
@@ -280,7 +312,7 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
                 f"backend {named!r} cannot serve this {plan.family} array ({plan.dtype} on "
                 f"{plan.device}): it {why}"
             )
-        return Choice(backend, "named with backend=", (f"{named}: named with backend=",))
+        return Choice(backend, NAMED, (f"{named}: named with backend=",))
     notes: list[str] = []
     if preference is not None:
         backend = backend_named(preference)
@@ -292,30 +324,33 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
                 (f"{preference}: preferred and able to serve",),
             )
         notes.append(f"{preference}: preferred but it {why}; falling back to priority")
-    able: list[tuple[Backend, float | None]] = []
+    able: list[tuple[Backend, Profile]] = []
     for backend in registry.list_backends():
         why = refusal(backend, plan, named=False)
         if why is None:
-            able.append((backend, costs.estimate_us(backend, plan)))
+            able.append((backend, costs.profile_us(backend, plan)))
         else:
             notes.append(f"{backend.name} (priority {backend.priority}): {why}")
     chosen: Backend | None = None
-    by_cost = False
+    ratio: float | None = None
     while able and chosen is None:
-        candidate, by_cost = _cheapest(able)
+        candidate, ratio = _cheapest(able)
         failure = _load_failure(candidate)
         if failure is not None:
             notes.append(f"{candidate.name} (priority {candidate.priority}): {failure}")
-            able = [(b, e) for b, e in able if b is not candidate]
+            able = [(b, p) for b, p in able if b is not candidate]
             continue
         chosen = candidate
-        for backend, estimate in able:
-            cost = "" if estimate is None else f", estimated {estimate:.3g} µs"
+        profiled = [(i, p) for i, (_, p) in enumerate(able) if p is not None]
+        for backend, profile in able:
+            cost = _cost_note(backend, plan, profile, profiled if ratio is not None else [])
             if backend is chosen:
-                why = "lowest estimated cost" if by_cost else "highest priority able to serve"
+                why = BY_COST if ratio is not None else "highest priority able to serve"
                 notes.append(f"{backend.name} (priority {backend.priority}): chosen, {why}{cost}")
             else:
-                why = "higher estimated cost" if by_cost else "lower priority"
+                why = (
+                    "slower somewhere in the row profile" if ratio is not None else "lower priority"
+                )
                 notes.append(
                     f"{backend.name} (priority {backend.priority}): able to serve, {why}{cost}"
                 )
@@ -324,4 +359,29 @@ def _decide(plan: Plan, named: str | None, preference: str | None) -> Choice:
             f"no backend can serve a {plan.family} array of {plan.dtype} on {plan.device} for "
             f"{plan.op}: " + "; ".join(notes)
         )
-    return Choice(chosen, "lowest estimated cost" if by_cost else "highest priority", tuple(notes))
+    how = BY_COST if ratio is not None else "highest priority"
+    return Choice(chosen, how, tuple(notes))
+
+
+#: How a choice by ``backend=`` is named in explain() and the notes.
+NAMED: Final = "named with backend="
+#: How a choice by cost is named in explain() and the notes.
+BY_COST: Final = "lowest worst-case cost over the row profile"
+
+
+def _cost_note(
+    backend: Backend,
+    plan: Plan,
+    profile: Profile,
+    profiled: list[tuple[int, tuple[float, ...]]],
+) -> str:
+    """The estimate of this call on ``backend`` and, when cost decided, its worst ratio to the
+    fastest able backend over the row profile."""
+    estimate = costs.estimate_us(backend, plan)
+    text = "" if estimate is None else f", estimated {estimate:.3g} µs"
+    if profile is not None and profiled:
+        rows = costs.grid_rows(plan.cols, plan.dtype)
+        text += (
+            f", at most {_worst_ratio(profile, profiled):.2f}x the fastest for 1..{rows[-1]} rows"
+        )
+    return text

@@ -2,13 +2,15 @@
 
 Every problem with a caller's input is a :class:`NormlabError` subclass whose message names the
 values involved. Each subclass also derives from the builtin exception a Python user would expect
-(``ValueError`` for bad shapes, ``TypeError`` for bad dtypes, ``LookupError`` for backends).
+(``ValueError`` for bad shapes and values, ``TypeError`` for bad dtypes and wrongly typed
+arguments, ``LookupError`` for backends).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "ArgumentError",
+    "ArgumentTypeError",
     "BackendError",
     "DeviceError",
     "DtypeError",
@@ -29,6 +31,12 @@ class ShapeError(NormlabError, ValueError):
 
 class ArgumentError(NormlabError, ValueError):
     """An argument has a bad value (eps, out, an unknown keyword value)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong type (``axis={"axis": -1}``, ``return_stats="yes"``, a list for
+    eps): an :class:`ArgumentError` that is also a ``TypeError``, as NumPy and Keras raise for
+    a wrongly typed argument (a wrong value of the right type is a ``ValueError``)."""
 
 
 class DtypeError(NormlabError, TypeError):

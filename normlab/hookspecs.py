@@ -32,7 +32,23 @@ and, for ``rms_norm``, the same signature with ``bias`` always None, returning
 
 and ``add_rms_norm`` likewise (``bias`` always None) returning ``(y, h, None, rstd)``; with
 ``inplace``, ``out`` may be the memory of ``x`` or ``residual`` and ``residual_out`` that of
-``residual`` or ``x`` (never both the same); plus ``to_numpy(array) -> numpy.ndarray`` and
+``residual`` or ``x`` (never both the same); for the backward ops::
+
+    def layer_norm_backward(dy, x, mean, rstd, weight, *, plan, needs):
+        '''dy, x: 2-D (plan.rows, plan.cols) arrays, read as the record's capabilities allow (a
+        C-contiguous copy is made otherwise); mean, rstd: 1-D (plan.rows,) in plan.stats_dtype
+        (what the forward returned); weight: 1-D (plan.cols,) or None; needs: a frozenset of
+        "x", "weight", "bias". Per row, with x̂ = (x - mean) * rstd and g = dy * weight (g = dy
+        without weight): dx = rstd * (g - mean(g) - x̂ * mean(g * x̂)); summed over rows:
+        dweight = Σ dy * x̂, dbias = Σ dy, deterministically (no atomics, an order that
+        depends on the shape alone, never on the thread count), float16/bfloat16 in float32.
+        Returns (dx, dweight, dbias): dx 2-D in x's dtype, dweight and dbias 1-D (plan.cols,)
+        in plan.compute_dtype; None for what is not in needs.'''
+
+and ``rms_norm_backward(dy, x, rstd, weight, *, plan, needs)`` likewise with x̂ = x * rstd and
+dx = rstd * (g - x̂ * mean(g * x̂)), returning ``(dx, dweight)``. (The op table,
+:mod:`normlab.ops`, lists each op's ``kernel_arrays`` and ``kernel_returns``.) Plus
+``to_numpy(array) -> numpy.ndarray`` and
 ``from_numpy(ndarray, like=None)`` (the conformance suite drives every backend through these
 two; ``like`` is an array whose device the result should share). Optionally
 ``explain(x, *, plan) -> str``: lines that :func:`normlab.explain` adds about this backend's
@@ -64,7 +80,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -74,7 +89,6 @@ import pluggy
 __all__ = [
     "ARRAY_API",
     "CAPABILITIES",
-    "DEPRECATED_PLAN_FIELDS",
     "PLAN_FIELDS",
     "PROJECT",
     "BackendRecord",
@@ -118,7 +132,7 @@ class Plan:
     batch axes first and the normalized axes last, then as ``(rows, cols)``. Statistics are
     computed in ``compute_dtype`` and returned in ``stats_dtype``. How the core makes those rows
     (permutation, strides, copies, ``out``, byte order, caches) is the core's own
-    ``normlab.spec.Layout``; the Plan's former fields for it are deprecated properties.
+    :class:`normlab.spec.Call`.
     """
 
     op: str
@@ -142,8 +156,6 @@ class Plan:
     #: Fused ops (``add_layer_norm``/``add_rms_norm``): whether ``h = x + residual`` is written
     #: and returned (False: the post-norm form, ``h`` never written). False for other ops.
     return_residual: bool = False
-    #: The core's Layout of this call (set once by ``normlab.spec``); for the deprecated fields.
-    _layout: Any = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def has_weight(self) -> bool:
@@ -161,38 +173,6 @@ class Plan:
     @property
     def empty(self) -> bool:
         return self.rows == 0 or self.cols == 0
-
-
-def _deprecated_routing_field(name: str) -> property:
-    def read(plan: Plan) -> Any:
-        warnings.warn(
-            f"Plan.{name} is deprecated: it is the core's routing, not for backends (normlab "
-            "makes the rows a backend reads); read only the fields in normlab.hookspecs."
-            "PLAN_FIELDS",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if plan._layout is None:  # a plan the core made for one backend call (a custom op)
-            raise AttributeError(f"Plan.{name}: this plan carries no routing (deprecated field)")
-        return getattr(plan._layout, name)
-
-    return property(read, doc=f"Deprecated: the core's routing ({name}); see PLAN_FIELDS.")
-
-
-#: Former Plan fields that moved to the core's Layout; reading them on a Plan warns.
-DEPRECATED_PLAN_FIELDS: Final = (
-    "permutation",
-    "x_strides",
-    "x_native",
-    "has_out",
-    "out_strides",
-    "out_stats",
-    "dispatch_key",
-    "routes",
-    "non_native",
-)
-for _name in DEPRECATED_PLAN_FIELDS:
-    setattr(Plan, _name, _deprecated_routing_field(_name))
 
 
 #: The fields of a :class:`~normlab.Plan` a backend may read.
@@ -304,7 +284,13 @@ def _measured_points(dtype: Any, points: Any) -> tuple[tuple[float, float], ...]
 
 
 def _finite(v: Any) -> bool:
-    return type(v) in (int, float) and math.isfinite(v)
+    """Whether ``v`` is an int or float of a finite float value (a 400-digit int is not)."""
+    if type(v) not in (int, float):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +318,10 @@ class BackendRecord:
             results to zero (XLA on the CPU does): the contract's range then excludes subnormal
             inputs for this backend, and the conformance suite skips its subnormal cases,
             saying so.
+        batch_invariant: ``True`` (the contract's promise): a row's results are bitwise the same
+            whatever the number of rows, its position, its neighbours, x's strides, ``out=``
+            and the thread count. ``False`` declares that the backend cannot promise it: the
+            suite's batch-invariance area is skipped, saying so, and ``normlab info`` says it.
         zero_copy_families: further families the backend serves without a copy on the same
             device, eligible by default (unlike ``explicit_families``): the dispatcher picks
             between it and the family's own backend by cost when both declare a cost model.
@@ -359,6 +349,7 @@ class BackendRecord:
     library: str | None = None
     description: str = ""
     flushes_subnormals: bool = False
+    batch_invariant: bool = True
     zero_copy_families: frozenset[str] = frozenset()
     costs: Mapping[str, CostModel] = field(default_factory=dict, hash=False)
     inspector: str | None = None

@@ -10,48 +10,105 @@ Roles of the array arguments:
 - ``per_feature``: arrays of the normalized shape (weight, bias), in x's dtype (or float32 for
   float16/bfloat16 x).
 
-Outputs: ``outputs`` in the order the op returns them (the first is written into ``out``);
-``stats_outputs`` are returned too with ``return_stats=True``. ``in_place`` lists the
+Outputs: ``outputs`` in the order the op returns them: x-like (``y``, ``h``, ``dx``: x's shape)
+or per feature (``dweight``, ``dbias``: the normalized shape, in weight's dtype, x's without
+weight); ``stats_outputs`` are returned too with ``return_stats=True``. ``output_arguments``
+names the argument a caller passes each output's memory in (``out`` takes ``y``, and the
+statistics when it is a tuple; ``residual_out`` takes ``h``). ``in_place`` lists the
 ``(output, input)`` pairs that may be the very same memory (an in-place call); any other overlap
 between an output and an input, or between two outputs, is an ArgumentError.
+
+The op's own function (:mod:`normlab.api`) takes ``arguments`` in this order (``backend``
+aside): arrays by the roles above, and by name ``normalized_shape``/``axis`` (the normalized
+axes), ``eps``, ``return_stats``/``return_residual`` (flags), ``out``/``residual_out`` and
+``needs`` (the gradients a backward call asks for). A backend's function for the op takes
+``kernel_arrays`` positionally (2-D rows, 1-D statistics and parameters; an array the call
+lacks is None), then ``plan`` and, by keyword, its output arrays (``out``, ``residual_out``) or
+``needs``, and returns ``kernel_returns`` (see :mod:`normlab.hookspecs`).
 
 A fused op names its ``base``: the op it applies after its own first step (``add_layer_norm``
 normalizes ``h = x + residual`` as ``layer_norm`` does). Its gradients are the base op's
 backward plus that step's, and a backend that provides the base op but not the fused one is
-served by the core's composition (:mod:`normlab.fused`).
+served by the core's composition (:mod:`normlab.composition`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = ["BACKWARD_OPS", "FORWARD_OPS", "FUSED_OPS", "OPS", "Op"]
 
+#: The argument of a forward or fused op that carries each output's memory.
+_FORWARD_OUTPUTS: Final = (("y", "out"), ("h", "residual_out"))
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Op:
-    """One row of the op table (see the module docstring for the roles)."""
+    """One row of the op table (see the module docstring for the roles). Compared and hashed
+    by identity: each op is one entry of the table."""
 
     name: str
+    arguments: tuple[str, ...]
     like_x: tuple[str, ...]
     per_feature: tuple[str, ...]
     outputs: tuple[str, ...]
+    kernel_arrays: tuple[str, ...]
+    kernel_returns: tuple[str, ...]
     stats: tuple[str, ...] = ()
     stats_outputs: tuple[str, ...] = ()
     in_place: frozenset[tuple[str, str]] = frozenset()
-    #: The eps a call without one gets; None: ``finfo(x.dtype).eps``. Backward ops take none.
+    #: The eps a call without one gets; None: ``finfo(compute dtype).eps`` (float32's for half
+    #: x, as torch's rms_norm). Backward ops take none.
     default_eps: float | None = None
     takes_eps: bool = True
-    #: Backward ops: the gradients ``needs`` may name, in the order they are returned.
+    #: Backward ops: the gradients ``needs`` may name, in the order they are returned (the
+    #: outputs, position by position).
     gradients: tuple[str, ...] = ()
+    #: The outputs of the normalized shape (parameter gradients), in weight's dtype.
+    per_feature_outputs: tuple[str, ...] = ()
     #: Fused ops: the op applied after the fused step (its backward op serves the gradients).
     base: str | None = None
+    #: Each argument's position in ``arguments``.
+    index: dict[str, int] = field(init=False, repr=False, compare=False)
+    #: The arguments that carry the caller's output memory: argument name -> the output written
+    #: there (``out`` -> ``y``, ``residual_out`` -> ``h``).
+    output_arguments: dict[str, str] = field(init=False, repr=False, compare=False)
+    #: The arguments that are arrays or hold the caller's output arrays, in argument order
+    #: (what torch must see of a call: :func:`normlab.autograd.through_graph`).
+    tensors: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        outputs = {arg: name for name, arg in _FORWARD_OUTPUTS if arg in self.arguments}
+        arrays = {*self.like_x, *self.stats, *self.per_feature, *outputs}
+        object.__setattr__(self, "index", {name: i for i, name in enumerate(self.arguments)})
+        object.__setattr__(self, "output_arguments", outputs)
+        object.__setattr__(
+            self, "tensors", tuple(name for name in self.arguments if name in arrays)
+        )
 
     @property
     def arrays(self) -> tuple[str, ...]:
         """Every array argument, in the order the op's function takes them."""
         return (*self.like_x, *self.stats, *self.per_feature)
+
+    def returned(self, return_stats: bool, return_residual: bool) -> tuple[str, ...]:
+        """The names of what the op's function returns, in order: the outputs (``h`` only with
+        ``return_residual``), then the statistics with ``return_stats``. Forward and fused ops
+        return a single result bare; backward ops always return the tuple of their gradients."""
+        names = tuple(o for o in self.outputs if o != "h" or return_residual)
+        return names + self.stats_outputs if return_stats else names
+
+    @property
+    def gradient_op(self) -> str | None:
+        """The backward op that gives this forward or fused op's gradients (its base op's, for
+        a fused op); None for a backward op."""
+        return None if self.gradients else f"{self.base or self.name}_backward"
+
+    @property
+    def bare(self) -> bool:
+        """Whether a single returned result is returned as itself, not in a tuple."""
+        return not self.gradients
 
 
 OPS: Final = {
@@ -59,26 +116,56 @@ OPS: Final = {
     for op in (
         Op(
             "layer_norm",
+            arguments=(
+                "x",
+                "normalized_shape",
+                "weight",
+                "bias",
+                "eps",
+                "axis",
+                "return_stats",
+                "out",
+            ),
             like_x=("x",),
             per_feature=("weight", "bias"),
             outputs=("y",),
+            kernel_arrays=("x", "weight", "bias"),
+            kernel_returns=("y", "mean", "rstd"),
             stats_outputs=("mean", "rstd"),
             in_place=frozenset({("y", "x")}),
             default_eps=1e-5,
         ),
         Op(
             "rms_norm",
+            arguments=("x", "normalized_shape", "weight", "eps", "axis", "return_stats", "out"),
             like_x=("x",),
             per_feature=("weight",),
             outputs=("y",),
+            kernel_arrays=("x", "weight", "bias"),
+            kernel_returns=("y", "mean", "rstd"),
             stats_outputs=("rstd",),
             in_place=frozenset({("y", "x")}),
         ),
         Op(
             "add_layer_norm",
+            arguments=(
+                "x",
+                "residual",
+                "normalized_shape",
+                "weight",
+                "bias",
+                "eps",
+                "axis",
+                "return_stats",
+                "return_residual",
+                "out",
+                "residual_out",
+            ),
             like_x=("x", "residual"),
             per_feature=("weight", "bias"),
             outputs=("y", "h"),
+            kernel_arrays=("x", "residual", "weight", "bias"),
+            kernel_returns=("y", "h", "mean", "rstd"),
             stats_outputs=("mean", "rstd"),
             in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
             default_eps=1e-5,
@@ -86,30 +173,52 @@ OPS: Final = {
         ),
         Op(
             "add_rms_norm",
+            arguments=(
+                "x",
+                "residual",
+                "normalized_shape",
+                "weight",
+                "eps",
+                "axis",
+                "return_stats",
+                "return_residual",
+                "out",
+                "residual_out",
+            ),
             like_x=("x", "residual"),
             per_feature=("weight",),
             outputs=("y", "h"),
+            kernel_arrays=("x", "residual", "weight", "bias"),
+            kernel_returns=("y", "h", "mean", "rstd"),
             stats_outputs=("rstd",),
             in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
             base="rms_norm",
         ),
         Op(
             "layer_norm_backward",
+            arguments=("dy", "x", "mean", "rstd", "weight", "normalized_shape", "axis", "needs"),
             like_x=("dy", "x"),
             stats=("mean", "rstd"),
             per_feature=("weight",),
             outputs=("dx", "dweight", "dbias"),
+            kernel_arrays=("dy", "x", "mean", "rstd", "weight"),
+            kernel_returns=("dx", "dweight", "dbias"),
             takes_eps=False,
             gradients=("x", "weight", "bias"),
+            per_feature_outputs=("dweight", "dbias"),
         ),
         Op(
             "rms_norm_backward",
+            arguments=("dy", "x", "rstd", "weight", "normalized_shape", "axis", "needs"),
             like_x=("dy", "x"),
             stats=("rstd",),
             per_feature=("weight",),
             outputs=("dx", "dweight"),
+            kernel_arrays=("dy", "x", "rstd", "weight"),
+            kernel_returns=("dx", "dweight"),
             takes_eps=False,
             gradients=("x", "weight"),
+            per_feature_outputs=("dweight",),
         ),
     )
 }

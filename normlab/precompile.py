@@ -7,15 +7,15 @@ milliseconds. :func:`warmup` makes those first calls now, on small arrays, for t
     dtypes x {contiguous, strided} x {serial, parallel} x {forward, backward, fused}
 
 where *strided* is a row view of every other column, *parallel* an input of at least
-:data:`~normlab.backends.numba_backend.SERIAL_ELEMENTS` elements (the kernels that run on
+:data:`~normlab.backends.numba_pool.SERIAL_ELEMENTS` elements (the kernels that run on
 numba's threads; compiled only where numba has more than one thread), forward is
 ``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels), backward
 ``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels) and fused
 the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
 kernels), with h returned and without (two kernels). Where torch is installed, the contiguous
-serial forward and fused calls are also made on CPU tensors (the numba backend's address
-entries, which small tensors run; for half dtypes with float32 parameters and with parameters
-in x's dtype, which the entries widen themselves). Rows longer
+forward and fused calls, serial and parallel, are also made on CPU tensors (the numba
+backend's address entries, which contiguous tensors run; for half dtypes with float32
+parameters and with parameters in x's dtype, which the entries widen themselves). Rows longer
 than :data:`~normlab.backends.numba_forward.LONG_ROW_BYTES` and calls with ``out=`` use other
 kernels and are not warmed.
 """
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from normlab import notices
+from normlab.backends import compile_notices as notices
 from normlab.constants import FLOAT_DTYPES
 from normlab.errors import ArgumentError, BackendError
 
@@ -112,9 +112,9 @@ def warmup(
             ``cache_dir`` given after numba's cache was set up in this process.
     """
     _set_cache_dir(cache_dir)
-    import normlab
+    from normlab import registry
 
-    numba_backend = next(b for b in normlab.list_backends() if b.name == "numba")
+    numba_backend = next(b for b in registry.list_backends() if b.name == "numba")
     if not numba_backend.available:
         raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
     import numba
@@ -140,7 +140,7 @@ def warmup(
         compiled=misses,
         loaded=hits,
         seconds=time.perf_counter() - start,
-        cache_dir=str(_numba_config().CACHE_DIR or "next to the package (__pycache__)"),
+        cache_dir=_cache_dir_in_words(),
         skipped=tuple(skipped),
     )
 
@@ -157,10 +157,28 @@ def _set_cache_dir(cache_dir: str | os.PathLike[str] | None) -> None:
                 "NUMBA_CACHE_DIR before the first call, or run 'normlab warmup --cache-dir DIR'"
             )
         return
-    os.makedirs(wanted, exist_ok=True)
+    try:
+        os.makedirs(wanted, exist_ok=True)
+    except OSError as exc:  # a regular file, /proc, a read-only place
+        raise ArgumentError(
+            f"warmup: cache_dir={wanted!r} cannot hold a cache: {exc.strerror or exc}"
+        ) from None
+    if not os.path.isdir(wanted) or not os.access(wanted, os.W_OK | os.X_OK):
+        raise ArgumentError(f"warmup: cache_dir={wanted!r} is not a writable directory")
     os.environ["NUMBA_CACHE_DIR"] = wanted
     if "numba" in sys.modules:  # imported, but the kernels (and their caches) not yet
         _numba_config().CACHE_DIR = wanted
+
+
+def _cache_dir_in_words() -> str:
+    """Where the kernels were cached: the directory normlab's kernels use (``NUMBA_CACHE_DIR``,
+    else ``$NORMLAB_CACHE_DIR/numba``, else ``~/.cache/normlab/numba``), or why none."""
+    from normlab.backends.numba_cache import kernel_cache_root
+
+    root = kernel_cache_root()
+    return (
+        "nowhere: no home directory (compiled in this process only)" if root is None else str(root)
+    )
 
 
 def _numba_config() -> Any:
@@ -178,7 +196,9 @@ def _entry_points(*modules: Any) -> list[Any]:
         "add_norm_rows",
         "add_norm_rows_parallel",
         "layer_norm_rows_at",
+        "layer_norm_rows_parallel_at",
         "add_norm_rows_at",
+        "add_norm_rows_parallel_at",
         "backward_chunks",
         "backward_chunks_parallel",
         "sum_chunks",
@@ -204,12 +224,12 @@ def _run(call: WarmupCall) -> None:
     """One call of the set, on small arrays, through the public API and the numba backend."""
     import numpy as np  # here, not at import: ``import normlab`` imports no array library
 
-    import normlab
-    from normlab.backends.numba_backend import SERIAL_ELEMENTS
+    from normlab import api
+    from normlab.backends.numba_pool import SERIAL_ELEMENTS
 
     dtype = _bfloat16() if call.dtype == "bfloat16" else np.dtype(call.dtype)
     cols_stride = 2 if call.strided else 1
-    rows = 2 * SERIAL_ELEMENTS // _COLS if call.parallel else 4
+    rows = 4 * SERIAL_ELEMENTS // _COLS if call.parallel else 4  # parallel in every dtype
     base = np.linspace(-1.0, 1.0, rows * _COLS * cols_stride).reshape(rows, _COLS * cols_stride)
     x = base.astype(dtype)[:, ::cols_stride]
     param = np.float32 if call.dtype in ("float16", "bfloat16") else dtype
@@ -218,12 +238,12 @@ def _run(call: WarmupCall) -> None:
         residual = base[::-1].astype(dtype)[:, ::cols_stride]
         _run_fused(x, residual, weight, bias)
     else:
-        y, mean, rstd = normlab.layer_norm(
+        y, mean, rstd = api.layer_norm(
             x, weight=weight, bias=bias, return_stats=True, backend="numba"
         )
         if call.direction == "backward":
-            normlab.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
-    if call.direction != "backward" and not call.strided and not call.parallel:
+            api.layer_norm_backward(y, x, mean, rstd, weight, backend="numba")
+    if call.direction != "backward" and not call.strided:
         _run_tensors(x, weight, bias, call.direction == "fused")
 
 
@@ -232,7 +252,7 @@ def _run_tensors(x: Any, weight: Any, bias: Any, fused: bool) -> None:
     run through the numba backend's address entries (:mod:`normlab.backends.numba_addressed`)."""
     import numpy as np
 
-    import normlab
+    from normlab import api
 
     try:
         import torch
@@ -248,10 +268,10 @@ def _run_tensors(x: Any, weight: Any, bias: Any, fused: bool) -> None:
         params.append((w.to(t.dtype), b.to(t.dtype)))
     for w, b in params:
         if not fused:
-            normlab.layer_norm(t, weight=w, bias=b, backend="numba")
+            api.layer_norm(t, weight=w, bias=b, backend="numba")
             continue
         for keep_h in (True, False):
-            normlab.add_layer_norm(t, t, weight=w, bias=b, return_residual=keep_h, backend="numba")
+            api.add_layer_norm(t, t, weight=w, bias=b, return_residual=keep_h, backend="numba")
 
 
 def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:
@@ -262,7 +282,7 @@ def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:
     from normlab import spec
     from normlab.backends import numba_backend
 
-    base = spec.plan("layer_norm", x, None, weight, bias, 1e-5, None, True, None)
+    base = spec.plan("layer_norm", x, weight=weight, bias=bias, return_stats=True)
     for keep_h in (True, False):
         plan = dataclasses.replace(base, op="add_layer_norm", return_residual=keep_h)
         numba_backend.add_layer_norm(

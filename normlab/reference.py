@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from normlab.constants import MACHINE_EPS
+from normlab.constants import MACHINE_EPS, stats_dtype_for
 
 __all__ = ["layer_norm", "normalized_axes", "rms_norm", "to_float64"]
 
@@ -76,10 +76,11 @@ def rms_norm(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(y, rstd)`` in float64, ``y = x / sqrt(mean(x^2) + eps) * weight``; rstd keepdims.
 
-    ``eps=None`` means ``finfo(x.dtype).eps`` of the input's dtype.
+    ``eps=None`` means ``finfo(compute dtype).eps``: float32's for float16, bfloat16 and
+    float32 x, float64's for float64 (as ``torch.nn.functional.rms_norm``).
     """
     if eps is None:
-        eps = MACHINE_EPS[np.asarray(x).dtype.name]
+        eps = MACHINE_EPS[stats_dtype_for(np.asarray(x).dtype.name)]
     rows, restore = _rows(to_float64(x), normalized_shape, axis)
     s = _scale(rows)
     scaled = rows / s

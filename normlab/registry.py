@@ -133,6 +133,10 @@ class Backend:
         return self.record.flushes_subnormals
 
     @property
+    def batch_invariant(self) -> bool:
+        return self.record.batch_invariant
+
+    @property
     def available(self) -> bool:
         """Whether this backend can run here (checked once, lazily)."""
         return self.reason is None
@@ -236,6 +240,8 @@ class Registry:
         self.manager.add_hookspecs(hookspecs)
         self.backends: dict[str, Backend] = {}
         self.failures: list[PluginFailure] = []
+        #: plugin name -> where it was registered from (its distribution, NORMLAB_PLUGINS…)
+        self.sources: dict[str, str] = {}
         self.generation = 0
         #: A plugin being loaded called normlab (refused with :data:`LOADING`).
         self.called_while_loading = False
@@ -252,12 +258,33 @@ class Registry:
             )
         if os.environ.get("NORMLAB_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
             return
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist
-            source = (
-                f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
-            )
+        for ep, source in self._entry_points():
             self._register_safely(ep.load, ep.name, source, where=ep.value)
+
+    def _entry_points(self) -> list[tuple[importlib.metadata.EntryPoint, str]]:
+        """The ``normlab`` entry points of the installed distributions, with their sources,
+        read one distribution at a time: a distribution whose metadata cannot be read (an
+        ``entry_points.txt`` line without ``=``, a file that is not UTF-8) is recorded as a
+        failure and skipped, never fatal to the others. A distribution found twice on the path
+        counts once (the first), as ``importlib.metadata.entry_points`` does."""
+        found: list[tuple[importlib.metadata.EntryPoint, str]] = []
+        seen: set[str] = set()
+        for dist in importlib.metadata.distributions():
+            try:
+                name = dist.metadata["Name"] or "?"
+                key = name.lower().replace("-", "_")
+                if key in seen:
+                    continue
+                seen.add(key)
+                eps = list(dist.entry_points.select(group=ENTRY_POINT_GROUP))
+                source = f"{name} {dist.version}"
+            except Exception as exc:
+                where = getattr(dist, "_path", None)
+                label = f"distribution at {where}" if where is not None else "a distribution"
+                self._fail(label, label, f"metadata unreadable: {type(exc).__name__}: {exc}", None)
+                continue
+            found.extend((ep, source) for ep in eps)
+        return found
 
     def _register_safely(
         self, load: Callable[[], Any], name: str, source: str, where: str | None = None
@@ -290,8 +317,15 @@ class Registry:
     def register(self, plugin: Any, *, source: str, name: str | None = None) -> list[Backend]:
         """Register ``plugin`` and its backends; all-or-nothing, BackendError on any problem."""
         plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        if plugin is None:
+            raise BackendError(
+                f"plugin {plugin_name!r} is None (an entry point or register_plugin() given "
+                "nothing): a plugin is a module or object with a normlab_backends hook"
+            )
         if self.manager.is_registered(plugin) or self.manager.has_plugin(plugin_name):
-            raise BackendError(f"plugin {plugin_name!r} is already registered")
+            before = self.sources.get(plugin_name)
+            also = f" (registered before from {before})" if before else ""
+            raise BackendError(f"plugin {plugin_name!r} is already registered{also}")
         try:
             self.manager.register(plugin, name=plugin_name)
         except pluggy.PluginValidationError as exc:
@@ -304,6 +338,7 @@ class Registry:
             raise
         for backend in new:
             self.backends[backend.name] = backend
+        self.sources[plugin_name] = source
         self.generation += 1
         arrays.forget_inspectors()  # a new record may supply a family's inspector
         return new
@@ -370,6 +405,7 @@ class Registry:
         self.manager.unregister(obj)
         for backend_name in names:
             self.backends.pop(backend_name, None)
+        self.sources.pop(str(name), None)
         self.generation += 1
         arrays.forget_inspectors()
 
@@ -401,6 +437,8 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(f"priority must be an int, got {record.priority!r}")
     if not isinstance(record.flushes_subnormals, bool):
         problems.append(f"flushes_subnormals must be a bool, got {record.flushes_subnormals!r}")
+    if not isinstance(record.batch_invariant, bool):
+        problems.append(f"batch_invariant must be a bool, got {record.batch_invariant!r}")
     if not isinstance(record.module, str) or not _is_module_path(record.module):
         problems.append(
             f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"

@@ -99,6 +99,12 @@ def _add_rms_norm_node(
     return y, h
 
 
+def _jit_tracing() -> bool:
+    """Whether ``torch.jit.trace`` is recording: it records torch's own ops, and would record a
+    kernel outside torch as a constant."""
+    return torch._C._get_tracing_state() is not None
+
+
 @functools.cache
 def _allow_nodes_in_graph() -> None:
     """Register the nodes with dynamo: on the first module built, not at import (it imports
@@ -133,6 +139,8 @@ class LayerNorm(torch.nn.LayerNorm):
         _allow_nodes_in_graph()
 
     def forward(self, input: Tensor) -> Tensor:
+        if _jit_tracing():  # torch.jit.trace records torch's ops: its own module's
+            return super().forward(input)
         return _layer_norm_node(
             input, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
         )
@@ -143,8 +151,9 @@ class LayerNorm(torch.nn.LayerNorm):
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by :func:`normlab.rms_norm` (``eps=None``: the machine
-    epsilon of the input's dtype, as torch); constructor, parameters and ``state_dict`` as
-    ``torch.nn.RMSNorm``, plus ``backend`` as for :class:`LayerNorm`."""
+    epsilon of the compute dtype, float32's for half input, as torch); constructor,
+    parameters and ``state_dict`` as ``torch.nn.RMSNorm``, plus ``backend`` as for
+    :class:`LayerNorm`."""
 
     def __init__(
         self,
@@ -163,6 +172,8 @@ class RMSNorm(torch.nn.RMSNorm):
         _allow_nodes_in_graph()
 
     def forward(self, x: Tensor) -> Tensor:
+        if _jit_tracing():  # torch.jit.trace records torch's ops: its own module's
+            return super().forward(x)
         return _rms_norm_node(x, self.normalized_shape, self.weight, self.eps, self.backend)
 
     def extra_repr(self) -> str:
@@ -179,6 +190,9 @@ class AddLayerNorm(LayerNorm):
     """
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        if _jit_tracing():  # the add, then torch's own module (see LayerNorm)
+            h = x + residual
+            return super().forward(h), h
         return _add_layer_norm_node(
             x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
         )
@@ -187,10 +201,13 @@ class AddLayerNorm(LayerNorm):
 class AddRMSNorm(RMSNorm):
     """A residual add and ``torch.nn.RMSNorm`` in one call of :func:`normlab.add_rms_norm`:
     ``forward(x, residual)`` returns ``(y, h)`` as :class:`AddLayerNorm` does (``eps=None``:
-    the machine epsilon of the input's dtype). Constructor, parameters and ``state_dict`` as
+    the machine epsilon of the compute dtype). Constructor, parameters and ``state_dict`` as
     ``torch.nn.RMSNorm``, plus ``backend``."""
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        if _jit_tracing():  # the add, then torch's own module (see LayerNorm)
+            h = x + residual
+            return super().forward(h), h
         return _add_rms_norm_node(
             x, residual, self.normalized_shape, self.weight, self.eps, self.backend
         )

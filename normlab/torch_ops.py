@@ -1,15 +1,23 @@
 """normlab's torch custom ops: a backend that records no autograd graph, run inside torch's graph.
 
-The ops ``normlab::layer_norm``, ``normlab::rms_norm``, their ``*_backward`` and the fused
-``normlab::add_layer_norm``/``normlab::add_rms_norm``
-(``torch.library.custom_op``, with fake implementations for tracing and a registered autograd
-formula) take 2-D rows, scalars and the name of a backend. Each rebuilds the backend's row
-:class:`~normlab.hookspecs.Plan` from those (cached) and calls that backend's op function
-directly, on detached tensors: validation and dispatch ran once, in the caller's call, before.
-The forward ops save what their backward op needs; ``mean`` and ``rstd`` are not differentiable,
-and the backward ops have no formula of their own (no double backward: torch says so). A fused
-op always computes ``h`` (its gradient needs it) and its gradient is the base op's backward plus
-the gradient arriving at ``h``: ``dx = dresidual = dh + dx_norm``.
+Every op of the table (:mod:`normlab.ops`) has a custom op ``normlab::<op>``
+(``torch.library.custom_op``), made here from its table entry: its schema, its fake
+implementation for tracing, and for a forward or fused op its autograd formula. An op takes the
+2-D rows the core made of the call's arrays (its ``kernel_arrays`` that the op takes; 1-D
+statistics), ``eps`` when the op takes one, a ``need_<gradient>`` flag per gradient of a
+backward op, and the backend's name (a torch op's arguments are tensors and scalars, so the
+backend travels as its name: an exported program names it). Forward ops return their outputs
+and statistics (a fused op always returns ``h``: its gradient needs it), backward ops their
+gradients (an empty tensor for one not needed).
+
+Inside, an op runs its rows through the same route as any call (:func:`normlab.route.run`) on
+the named backend, with tensors detached: validation and dispatch ran once, for the caller's
+arguments; the rows are a call of their own without rules (:func:`normlab.spec.row_call`,
+cached: an op may run at another row count than the call it was traced from).
+The forward ops save what their backward op needs; statistics are not differentiable, and the
+backward ops have no formula of their own (no double backward: torch says so). A fused op's
+gradient is its base op's backward plus the gradient arriving at ``h``:
+``dx = dresidual = dh + dx_norm``.
 
 The core reaches them through :func:`in_graph` (see :mod:`normlab.autograd`): the chosen backend
 as a :class:`~normlab.registry.Backend` whose op functions are these ops. ``torch.compile`` and
@@ -19,585 +27,252 @@ as a :class:`~normlab.registry.Backend` whose op functions are these ops. ``torc
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
-from normlab import registry
+from normlab import registry, route, spec
 from normlab.constants import stats_dtype_for
 from normlab.dispatch import Choice
 from normlab.hookspecs import Plan
+from normlab.ops import OPS, Op
 from normlab.registry import Backend
 
-__all__ = ["InGraph", "in_graph", "row_plan"]
+__all__ = ["InGraph", "in_graph"]
 
 Tensor = torch.Tensor
 
-#: Row plans kept by :func:`row_plan` (one per op, dtype, device, size and eps).
-_ROW_PLANS: Final = 1024
+#: Choices wrapped by :func:`in_graph` (one per choice, made once).
+_WRAPPED_CHOICES: Final = 1024
+#: How the backend of a custom op was chosen: by the call the op is part of.
+_SERVED: Final = "named by normlab's custom op"
+
+
+def _takes(op: Op) -> tuple[str, ...]:
+    """The arrays a custom op takes: the op's kernel arrays that the op itself takes."""
+    return tuple(name for name in op.kernel_arrays if name in op.index)
+
+
+def _returns(op: Op) -> tuple[str, ...]:
+    """What a custom op returns: a backward op's gradients, else the outputs and statistics."""
+    return op.outputs if op.gradients else (*op.outputs, *op.stats_outputs)
+
+
+def _schema(op: Op) -> str:
+    """The torch schema of ``op``'s custom op, from its table entry."""
+    arrays = [f"Tensor{'?' if name in op.per_feature else ''} {name}" for name in _takes(op)]
+    scalars = ["float eps"] if op.takes_eps else []
+    flags = [f"bool need_{name}" for name in op.gradients]
+    returns = ", ".join("Tensor" for _ in _returns(op))
+    return f"({', '.join([*arrays, *scalars, *flags, 'str backend'])}) -> ({returns})"
 
 
 # --------------------------------------------------------------------------------------------
-# The row plan a backend receives inside an op, rebuilt from the op's arguments.
+# The ops' implementations: the rows through the route, on the named backend
 
 
-def _dtype(t: Tensor | None) -> str | None:
-    return None if t is None else str(t.dtype).removeprefix("torch.")
+def _implementation(op: Op) -> Callable[..., tuple[Tensor, ...]]:
+    """The function of ``op``'s custom op: its rows validated and routed as a call of ``op`` on
+    the backend named by its last argument."""
+    takes = _takes(op)
+
+    def implementation(*args: Any) -> tuple[Tensor, ...]:
+        given = dict(zip(takes, args, strict=False))
+        rest = args[len(takes) : -1]
+        values: dict[str, Any] = {
+            name: None if t is None else t.detach() for name, t in given.items()
+        }
+        x: Tensor = values["x"]
+        eps, flags = (rest[0], rest[1:]) if op.takes_eps else (0.0, rest)
+        needs = frozenset(g for g, need in zip(op.gradients, flags, strict=True) if need)
+        weight, bias = values.get("weight"), values.get("bias")
+        call = spec.row_call(
+            op,
+            "torch",
+            _dtype_name(x),
+            str(x.device),
+            x.device.type,
+            x.shape[0],
+            x.shape[1],
+            None if weight is None else _dtype_name(weight),
+            None if bias is None else _dtype_name(bias),
+            eps,
+            tuple(tuple(values[name].stride()) for name in op.like_x),
+            needs,
+        )
+        choice = Choice(registry.get(args[-1]), _SERVED, ())
+        result = route.run(call, choice, tuple(values.get(name) for name in op.arguments))
+        if op.gradients:  # outputs of a custom op may not alias one another: one empty each
+            return tuple(
+                _empty_gradient(x, name in op.per_feature_outputs) if g is None else g
+                for name, g in zip(op.outputs, result, strict=True)
+            )
+        return tuple(result)
+
+    return implementation
 
 
-@functools.lru_cache(maxsize=_ROW_PLANS)
-def _cached_row_plan(
-    op: str,
-    dtype: str,
-    device: str,
-    device_kind: str,
-    rows: int,
-    cols: int,
-    weight_dtype: str | None,
-    bias_dtype: str | None,
-    eps: float,
-) -> Plan:
-    compute = stats_dtype_for(dtype)
-    return Plan(
-        op=op,
-        family="torch",
-        device=device,
-        device_kind=device_kind,
-        dtype=dtype,
-        shape=(rows, cols),
-        axes=(1,),
-        batch_axes=(0,),
-        normalized_shape=(cols,),
-        rows=rows,
-        cols=cols,
-        compute_dtype=compute,
-        stats_dtype=compute,
-        weight_dtype=weight_dtype,
-        bias_dtype=bias_dtype,
-        eps=eps,
-        return_stats=not op.endswith("_backward"),  # the backward op needs mean and rstd
-        requires_grad=False,  # the backend sees detached tensors
-        return_residual=op.startswith("add_"),  # a fused op's gradient needs h
-    )
+def _dtype_name(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
-def row_plan(
-    op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 0.0
-) -> Plan:
-    """The :class:`~normlab.hookspecs.Plan` of ``op`` on the 2-D rows ``x`` (validated already:
-    by the caller's call, which the op is part of). Forward plans return statistics."""
-    rows, cols = x.shape
-    return _cached_row_plan(
-        op,
-        str(x.dtype).removeprefix("torch."),
-        str(x.device),
-        x.device.type,
-        rows,
-        cols,
-        _dtype(weight),
-        _dtype(bias),
-        eps,
-    )
-
-
-def _readable(a: Tensor, backend: Backend) -> Tensor:
-    """``a`` (2-D rows, detached) as ``backend`` reads it: itself, or a C-contiguous copy when
-    the record claims neither ``strided`` nor, for unit column stride, ``row_strided``.
-    (A gradient arriving in the backward may be any view: an expanded one, for ``y.sum()``.)"""
-    a = a.detach()
-    caps = backend.capabilities
-    if "strided" in caps or ("row_strided" in caps and a.stride(1) == 1):
-        return a
-    return a.contiguous()
-
-
-def _detached(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.detach().contiguous()
+def _empty_gradient(x: Tensor, per_feature: bool) -> Tensor:
+    return x.new_empty(0, dtype=_stats_dtype(x)) if per_feature else x.new_empty(0)
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    """The statistics' (and parameter gradients') dtype of rows of ``x``'s dtype."""
+    return getattr(torch, stats_dtype_for(_dtype_name(x)))  # type: ignore[no-any-return]
+
+
+def _fake(op: Op) -> Callable[..., tuple[Tensor, ...]]:
+    """The fake implementation of ``op``'s custom op: empty results of the right shapes and
+    dtypes, for tracing."""
+    takes = _takes(op)
+
+    def fake(*args: Any) -> tuple[Tensor, ...]:
+        x = args[takes.index("x")]
+        rows, cols = x.shape
+        stats = _stats_dtype(x)
+        if not op.gradients:
+            return tuple(
+                x.new_empty(rows, dtype=stats) if name in op.stats_outputs else x.new_empty(x.shape)
+                for name in _returns(op)
+            )
+        needs = dict(zip(op.gradients, args[len(takes) : -1], strict=True))
+        return tuple(
+            x.new_empty(cols if need else 0, dtype=stats)
+            if name in op.per_feature_outputs
+            else x.new_empty(x.shape if need else (0,))
+            for name, need in zip(op.outputs, needs.values(), strict=True)
+        )
+
+    return fake
 
 
 # --------------------------------------------------------------------------------------------
-# Forward ops
+# The forward ops' autograd formulas: the backward op of the base op
 
 
-def _forward(
-    op: str, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """``op`` of the 2-D rows ``x`` by ``backend``'s own function: ``(y, mean, rstd)``."""
-    served = registry.get(backend)
-    x = _readable(x, served)
-    weight, bias = _detached(weight), _detached(bias)
-    plan = row_plan(op, x, weight, bias, eps)
-    y, mean, rstd = served.function(op)(x, weight, bias, plan=plan, out=None)
-    return y, mean, rstd
+def _register_autograd(op: Op, custom: Any) -> None:
+    """``op``'s gradient: the custom op of its base op's backward, on what the forward saved."""
+    assert op.gradient_op is not None, op.name
+    backward = OPS[op.gradient_op]
+    takes, returns = _takes(op), _returns(op)
+    normalized = "h" if op.base is not None else "x"  # the array the base op normalized
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        given = dict(zip(takes, inputs, strict=False))
+        results = dict(zip(returns, output, strict=True))
+        source = results if normalized in results else given
+        ctx.save_for_backward(
+            source[normalized], given.get("weight"), *(results[s] for s in backward.stats)
+        )
+        ctx.backend = inputs[-1]
+        ctx.dtypes = {name: None if t is None else t.dtype for name, t in given.items()}
+        ctx.mark_non_differentiable(*(results[s] for s in op.stats_outputs))
+
+    def gradient(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        normalized_input, weight, *stats = ctx.saved_tensors
+        arriving = dict(zip(returns, grads, strict=True))
+        need = dict(zip(takes, ctx.needs_input_grad, strict=False))
+        wanted = {
+            "x": any(need[name] for name in op.like_x),
+            "weight": need.get("weight", False),
+            "bias": need.get("bias", False),
+        }
+        flags = tuple(wanted[g] for g in backward.gradients)
+        results = dict(
+            zip(
+                backward.gradients,
+                _CUSTOM[backward.name](
+                    arriving["y"], normalized_input, *stats, weight, *flags, ctx.backend
+                ),
+                strict=True,
+            )
+        )
+        dx = results["x"]
+        if wanted["x"] and arriving.get("h") is not None:
+            dx = dx + arriving["h"]  # h = x + residual: both get dh + dx
+        grads_of_inputs: list[Any] = []
+        for name in takes:
+            if not need[name]:
+                grads_of_inputs.append(None)
+            elif name in op.like_x:
+                grads_of_inputs.append(dx)
+            else:
+                grads_of_inputs.append(results[name].to(ctx.dtypes[name]))
+        scalars = len(ctx.needs_input_grad) - len(takes)
+        return (*grads_of_inputs, *(None,) * scalars)
+
+    custom.register_autograd(gradient, setup_context=setup_context)
 
 
-@torch.library.custom_op(
-    "normlab::layer_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor? weight, Tensor? bias, float eps, str backend) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-def _layer_norm(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, mean, rstd)`` of the rows of the 2-D ``x`` (mean, rstd: 1-D) on ``backend``."""
-    y, mean, rstd = _forward("layer_norm", x, weight, bias, eps, backend)
-    assert mean is not None  # a forward row plan returns statistics
-    return y, mean, rstd
-
-
-@_layer_norm.register_fake
-def _layer_norm_fake(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    rows = x.shape[0]
-    stats = _stats_dtype(x)
-    return x.new_empty(x.shape), x.new_empty(rows, dtype=stats), x.new_empty(rows, dtype=stats)
-
-
-def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    x, weight, bias, _, backend = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.backend = backend
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _layer_norm_grad(ctx: Any, dy: Tensor, _dmean: Tensor, _drstd: Tensor) -> tuple[Any, ...]:
-    x, weight, mean, rstd = ctx.saved_tensors
-    need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-    dx, dweight, dbias = _layer_norm_backward(
-        dy, x, mean, rstd, weight, need_x, need_weight, need_bias, ctx.backend
+def _custom_op(op: Op) -> Any:
+    custom = torch.library.custom_op(
+        f"normlab::{op.name}", _implementation(op), mutates_args=(), schema=_schema(op)
     )
-    return (
-        dx if need_x else None,
-        dweight.to(weight.dtype) if need_weight else None,
-        dbias.to(ctx.bias_dtype) if need_bias else None,
-        None,
-        None,
-    )
+    custom.register_fake(_fake(op))
+    return custom
 
 
-_layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+_CUSTOM: Final[dict[str, Any]] = {name: _custom_op(op) for name, op in OPS.items()}
+for _name, _op in OPS.items():
+    if _op.gradient_op in OPS:
+        _register_autograd(_op, _CUSTOM[_name])
 
 
-@torch.library.custom_op(
-    "normlab::rms_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor? weight, float eps, str backend) -> (Tensor, Tensor)",
-)
-def _rms_norm(x: Tensor, weight: Tensor | None, eps: float, backend: str) -> tuple[Tensor, Tensor]:
-    """``(y, rstd)`` of the rows of the 2-D ``x`` (rstd: 1-D) on ``backend``."""
-    y, _, rstd = _forward("rms_norm", x, weight, None, eps, backend)
-    return y, rstd
-
-
-@_rms_norm.register_fake
-def _rms_norm_fake(
-    x: Tensor, weight: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor]:
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], dtype=_stats_dtype(x))
-
-
-def _rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    x, weight, _, backend = inputs
-    _, rstd = output
-    ctx.save_for_backward(x, weight, rstd)
-    ctx.backend = backend
-    ctx.mark_non_differentiable(rstd)
-
-
-def _rms_norm_grad(ctx: Any, dy: Tensor, _drstd: Tensor) -> tuple[Any, ...]:
-    x, weight, rstd = ctx.saved_tensors
-    need_x, need_weight = ctx.needs_input_grad[:2]
-    dx, dweight = _rms_norm_backward(dy, x, rstd, weight, need_x, need_weight, ctx.backend)
-    return dx if need_x else None, dweight.to(weight.dtype) if need_weight else None, None, None
-
-
-_rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+def _custom(op: Op) -> Any:
+    """``op``'s custom op (made now for an op added to the table since this module loaded)."""
+    custom = _CUSTOM.get(op.name)
+    if custom is None:
+        custom = _CUSTOM[op.name] = _custom_op(op)
+    return custom
 
 
 # --------------------------------------------------------------------------------------------
-# Fused forward ops: h = x + residual, then the base op of h
+# The backend op contract (normlab.hookspecs) through the custom ops: what the core runs in
+# place of the chosen backend's own functions.
 
 
-def _fused(
-    op: str,
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """``op`` of the 2-D rows ``x`` and ``residual`` by ``backend``'s own function:
-    ``(y, h, mean, rstd)``."""
-    served = registry.get(backend)
-    x, residual = _readable(x, served), _readable(residual, served)
-    weight, bias = _detached(weight), _detached(bias)
-    plan = row_plan(op, x, weight, bias, eps)
-    y, h, mean, rstd = served.function(op)(
-        x, residual, weight, bias, plan=plan, out=None, residual_out=None
-    )
-    return y, h, mean, rstd
+def _in_graph_function(op: Op, backend: str) -> Callable[..., tuple[Any, ...]]:
+    """A function with the signature of a backend's ``op`` function that runs ``op``'s custom op
+    for ``backend``: kernel arrays, then ``plan`` and the outputs (None) or ``needs``."""
+    custom = _custom(op)
+    takes = _takes(op)
+    positions = [op.kernel_arrays.index(name) for name in takes]
 
+    def function(
+        *arrays: Any, plan: Plan, needs: frozenset[str] = frozenset(), **outputs: None
+    ) -> tuple[Any, ...]:
+        scalars = (plan.eps,) if op.takes_eps else ()
+        flags = tuple(g in needs for g in op.gradients)
+        results = dict(
+            zip(
+                _returns(op),
+                custom(*(arrays[i] for i in positions), *scalars, *flags, backend),
+                strict=True,
+            )
+        )
+        if op.gradients:
+            return tuple(
+                results[name] if g in needs else None
+                for name, g in zip(op.outputs, op.gradients, strict=True)
+            )
+        if not plan.return_stats:
+            results.update(dict.fromkeys(op.stats_outputs))
+        if not plan.return_residual:
+            results.pop("h", None)
+        return tuple(results.get(name) for name in op.kernel_returns)
 
-@torch.library.custom_op(
-    "normlab::add_layer_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, float eps, str backend) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
-)
-def _add_layer_norm(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y, h, mean, rstd)`` of the 2-D rows ``x + residual`` on ``backend``."""
-    y, h, mean, rstd = _fused("add_layer_norm", x, residual, weight, bias, eps, backend)
-    assert mean is not None  # a forward row plan returns statistics
-    return y, h, mean, rstd
-
-
-@_add_layer_norm.register_fake
-def _add_layer_norm_fake(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, mean, rstd = _layer_norm_fake(x, weight, bias, eps, backend)
-    return y, x.new_empty(x.shape), mean, rstd
-
-
-def _add_layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    _, _, weight, bias, _, backend = inputs
-    _, h, mean, rstd = output
-    ctx.save_for_backward(h, weight, mean, rstd)
-    ctx.backend = backend
-    ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _with_residual_grad(dh: Tensor | None, dx: Tensor, need_x: bool, need_residual: bool) -> Any:
-    """``dh + dx``: the gradient of both x and residual (h = x + residual)."""
-    if not (need_x or need_residual):
-        return None, None
-    total = dx if dh is None else dx + dh
-    return (total if need_x else None), (total if need_residual else None)
-
-
-def _add_layer_norm_grad(
-    ctx: Any, dy: Tensor, dh: Tensor, _dmean: Tensor, _drstd: Tensor
-) -> tuple[Any, ...]:
-    h, weight, mean, rstd = ctx.saved_tensors
-    need_x, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
-    dx, dweight, dbias = _layer_norm_backward(
-        dy, h, mean, rstd, weight, need_x or need_residual, need_weight, need_bias, ctx.backend
-    )
-    return (
-        *_with_residual_grad(dh, dx, need_x, need_residual),
-        dweight.to(weight.dtype) if need_weight else None,
-        dbias.to(ctx.bias_dtype) if need_bias else None,
-        None,
-        None,
-    )
-
-
-_add_layer_norm.register_autograd(_add_layer_norm_grad, setup_context=_add_layer_norm_setup)
-
-
-@torch.library.custom_op(
-    "normlab::add_rms_norm",
-    mutates_args=(),
-    schema="(Tensor x, Tensor residual, Tensor? weight, float eps, str backend) "
-    "-> (Tensor, Tensor, Tensor)",
-)
-def _add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, h, rstd)`` of the 2-D rows ``x + residual`` on ``backend``."""
-    y, h, _, rstd = _fused("add_rms_norm", x, residual, weight, None, eps, backend)
-    return y, h, rstd
-
-
-@_add_rms_norm.register_fake
-def _add_rms_norm_fake(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, backend: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    y, rstd = _rms_norm_fake(x, weight, eps, backend)
-    return y, x.new_empty(x.shape), rstd
-
-
-def _add_rms_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    _, _, weight, _, backend = inputs
-    _, h, rstd = output
-    ctx.save_for_backward(h, weight, rstd)
-    ctx.backend = backend
-    ctx.mark_non_differentiable(rstd)
-
-
-def _add_rms_norm_grad(ctx: Any, dy: Tensor, dh: Tensor, _drstd: Tensor) -> tuple[Any, ...]:
-    h, weight, rstd = ctx.saved_tensors
-    need_x, need_residual, need_weight = ctx.needs_input_grad[:3]
-    dx, dweight = _rms_norm_backward(
-        dy, h, rstd, weight, need_x or need_residual, need_weight, ctx.backend
-    )
-    return (
-        *_with_residual_grad(dh, dx, need_x, need_residual),
-        dweight.to(weight.dtype) if need_weight else None,
-        None,
-        None,
-    )
-
-
-_add_rms_norm.register_autograd(_add_rms_norm_grad, setup_context=_add_rms_norm_setup)
-
-
-# --------------------------------------------------------------------------------------------
-# Backward ops
-
-
-def _gradients(
-    op: str,
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor | None,
-    rstd: Tensor,
-    weight: Tensor | None,
-    needs: frozenset[str],
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward ``op`` of 2-D rows by ``backend``'s own function; an empty tensor for a
-    gradient not in ``needs`` (dweight and dbias in the compute dtype)."""
-    served = registry.get(backend)
-    stats = _stats_dtype(x)
-    dx = dweight = dbias = None
-    if needs and x.numel() > 0:
-        dy, x = _readable(dy, served), _readable(x, served)
-        weight = _detached(weight)
-        rstd = rstd.detach().contiguous()
-        plan = row_plan(op, x, weight, None)
-        function = served.function(op)
-        if mean is None:
-            dx, dweight = function(dy, x, rstd, weight, plan=plan, needs=needs)
-        else:
-            mean = mean.detach().contiguous()
-            dx, dweight, dbias = function(dy, x, mean, rstd, weight, plan=plan, needs=needs)
-    elif needs:  # no rows or no columns: no kernel; an empty dx and zero sums
-        cols = x.shape[1]
-        dx = x.new_empty(x.shape) if "x" in needs else None
-        dweight = x.new_zeros(cols, dtype=stats) if "weight" in needs else None
-        dbias = x.new_zeros(cols, dtype=stats) if "bias" in needs else None
-    return (  # outputs of a custom op may not alias one another: one empty tensor each
-        x.new_empty(0) if dx is None else dx,
-        x.new_empty(0, dtype=stats) if dweight is None else dweight,
-        x.new_empty(0, dtype=stats) if dbias is None else dbias,
-    )
-
-
-def _needs(need_x: bool, need_weight: bool, need_bias: bool) -> frozenset[str]:
-    flags = (("x", need_x), ("weight", need_weight), ("bias", need_bias))
-    return frozenset(name for name, needed in flags if needed)
-
-
-def _fake_gradients(
-    x: Tensor, need_x: bool, need_weight: bool, need_bias: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    stats = _stats_dtype(x)
-    cols = x.shape[1]
-    return (
-        x.new_empty(x.shape if need_x else (0,)),
-        x.new_empty(cols if need_weight else 0, dtype=stats),
-        x.new_empty(cols if need_bias else 0, dtype=stats),
-    )
-
-
-@torch.library.custom_op(
-    "normlab::layer_norm_backward",
-    mutates_args=(),
-    schema="(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, bool need_x, "
-    "bool need_weight, bool need_bias, str backend) -> (Tensor, Tensor, Tensor)",
-)
-def _layer_norm_backward(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_x: bool,
-    need_weight: bool,
-    need_bias: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dweight, dbias)`` of 2-D rows on ``backend``: dweight and dbias in the compute
-    dtype; a gradient not needed is an empty 1-D tensor."""
-    needs = _needs(need_x, need_weight, need_bias)
-    return _gradients("layer_norm_backward", dy, x, mean, rstd, weight, needs, backend)
-
-
-@_layer_norm_backward.register_fake
-def _layer_norm_backward_fake(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_x: bool,
-    need_weight: bool,
-    need_bias: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _fake_gradients(x, need_x, need_weight, need_bias)
-
-
-@torch.library.custom_op(
-    "normlab::rms_norm_backward",
-    mutates_args=(),
-    schema="(Tensor dy, Tensor x, Tensor rstd, Tensor? weight, bool need_x, bool need_weight, "
-    "str backend) -> (Tensor, Tensor)",
-)
-def _rms_norm_backward(
-    dy: Tensor,
-    x: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_x: bool,
-    need_weight: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    """``(dx, dweight)`` of 2-D rows on ``backend``, as ``normlab::layer_norm_backward``."""
-    needs = _needs(need_x, need_weight, False)
-    dx, dweight, _ = _gradients("rms_norm_backward", dy, x, None, rstd, weight, needs, backend)
-    return dx, dweight
-
-
-@_rms_norm_backward.register_fake
-def _rms_norm_backward_fake(
-    dy: Tensor,
-    x: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    need_x: bool,
-    need_weight: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor]:
-    dx, dweight, _ = _fake_gradients(x, need_x, need_weight, False)
-    return dx, dweight
-
-
-# --------------------------------------------------------------------------------------------
-# The backend op contract (normlab.hookspecs, normlab.backward) through the ops: what the core
-# runs in place of the chosen backend's own functions.
-
-
-def _layer_norm_in_graph(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, *, plan: Plan, out: None, backend: str
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    y, mean, rstd = _layer_norm(x, weight, bias, plan.eps, backend)
-    return (y, mean, rstd) if plan.return_stats else (y, None, None)
-
-
-def _rms_norm_in_graph(
-    x: Tensor, weight: Tensor | None, bias: None, *, plan: Plan, out: None, backend: str
-) -> tuple[Tensor, None, Tensor | None]:
-    y, rstd = _rms_norm(x, weight, plan.eps, backend)
-    return (y, None, rstd) if plan.return_stats else (y, None, None)
-
-
-def _add_layer_norm_in_graph(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    *,
-    plan: Plan,
-    out: None,
-    residual_out: None,
-    backend: str,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    y, h, mean, rstd = _add_layer_norm(x, residual, weight, bias, plan.eps, backend)
-    h_or_none = h if plan.return_residual else None
-    return (y, h_or_none, mean, rstd) if plan.return_stats else (y, h_or_none, None, None)
-
-
-def _add_rms_norm_in_graph(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: None,
-    *,
-    plan: Plan,
-    out: None,
-    residual_out: None,
-    backend: str,
-) -> tuple[Tensor, Tensor | None, None, Tensor | None]:
-    y, h, rstd = _add_rms_norm(x, residual, weight, plan.eps, backend)
-    h_or_none = h if plan.return_residual else None
-    return (y, h_or_none, None, rstd) if plan.return_stats else (y, h_or_none, None, None)
-
-
-def _layer_norm_backward_in_graph(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    *,
-    plan: Plan,
-    needs: frozenset[str],
-    backend: str,
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    flags = ("x" in needs, "weight" in needs, "bias" in needs)
-    dx, dweight, dbias = _layer_norm_backward(dy, x, mean, rstd, weight, *flags, backend)
-    return (
-        dx if flags[0] else None,
-        dweight if flags[1] else None,
-        dbias if flags[2] else None,
-    )
-
-
-def _rms_norm_backward_in_graph(
-    dy: Tensor,
-    x: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    *,
-    plan: Plan,
-    needs: frozenset[str],
-    backend: str,
-) -> tuple[Tensor | None, Tensor | None]:
-    flags = ("x" in needs, "weight" in needs)
-    dx, dweight = _rms_norm_backward(dy, x, rstd, weight, *flags, backend)
-    return dx if flags[0] else None, dweight if flags[1] else None
-
-
-_IN_GRAPH: Final[dict[str, Callable[..., Any]]] = {
-    "layer_norm": _layer_norm_in_graph,
-    "rms_norm": _rms_norm_in_graph,
-    "add_layer_norm": _add_layer_norm_in_graph,
-    "add_rms_norm": _add_rms_norm_in_graph,
-    "layer_norm_backward": _layer_norm_backward_in_graph,
-    "rms_norm_backward": _rms_norm_backward_in_graph,
-}
+    return function
 
 
 class InGraph(Backend):
     """A backend that records no autograd graph, as the core runs it on torch tensors that
     require grad or inside a torch trace: its record without ``out`` and ``inplace`` (the core
-    copies the result into ``out``, recorded by torch), each op through its custom op."""
+    copies the results into the outputs, recorded by torch), each op through its custom op."""
 
     def __init__(self, served: Backend) -> None:
         capabilities = served.capabilities - {"out", "inplace"}
@@ -616,7 +291,7 @@ class InGraph(Backend):
     def function(self, op: str) -> Any:
         """The custom op of ``op``, with the backend op signature, for the served backend."""
         self.served.function(op)  # the backend must define it: the op calls it
-        return functools.partial(_IN_GRAPH[op], backend=self.name)
+        return _in_graph_function(OPS[op], self.name)
 
     def prepared(self, op: str, plan: Any) -> None:
         """None: every call goes through the custom op (the served backend's prepared
@@ -629,10 +304,10 @@ _wrapped: dict[Choice, Choice] = {}
 
 def in_graph(choice: Choice) -> Choice:
     """``choice`` with its backend run through the custom ops (cached: one :class:`InGraph` per
-    choice, so the routes that layout caches per backend stay few)."""
+    choice, so the routes cached per backend stay few)."""
     wrapped = _wrapped.get(choice)
     if wrapped is None:
-        if len(_wrapped) >= _ROW_PLANS:  # choices of backends registered since: start afresh
+        if len(_wrapped) >= _WRAPPED_CHOICES:  # choices of backends registered since: afresh
             _wrapped.clear()
         how = f"{choice.how}; run through normlab's custom op (it records no autograd graph)"
         wrapped = _wrapped[choice] = Choice(InGraph(choice.backend), how, choice.notes)

@@ -19,7 +19,7 @@ so a row anywhere in the dtype's finite range (subnormal values, values near its
 normalized as a row of values near 1 would be. A row of equal values has deviations exactly 0:
 with ``eps > 0`` it gives exactly ``bias`` and ``rstd = 1/sqrt(eps)``; with ``eps = 0`` its
 result is NaN (``0 * inf``), as the contract says. RMSNorm runs the same without the centring.
-NaN and Inf stay in their row. The backward ops follow :mod:`normlab.backward`'s formulas, the
+NaN and Inf stay in their row. The backward ops follow :mod:`normlab.hookspecs`'s formulas, the
 column sums of ``dweight``/``dbias`` taken in float64 (where the device has it).
 """
 
@@ -61,7 +61,10 @@ def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: None) -> tuple
 def _normalize(
     x: Any, weight: Any, bias: Any, plan: Plan, centre: bool
 ) -> tuple[Any, Any | None, Any | None]:
-    """Both forward ops (``centre``: subtract the shifted two-pass mean, LayerNorm)."""
+    """Both forward ops (``centre``: subtract the shifted, corrected two-pass mean, LayerNorm:
+    ``m = x0 + mean(x - x0)`` rounded to the compute dtype, ``d = x - m``, ``mean = m +
+    mean(d)``, ``var = mean(d^2) - mean(d)^2``, y from ``d - mean(d)``: the mean's error is
+    at the scale of the row's spread, not of ``|x0 - mean|``)."""
     xp = x.__array_namespace__()
     compute = getattr(xp, plan.compute_dtype)
     wide = _wide_dtype(xp, x, compute)
@@ -70,12 +73,16 @@ def _normalize(
     xs = xs / xp.astype(s, compute)
     if centre:
         x0 = xs[:, :1]
-        t = xs - x0
-        shift = xp.mean(t, axis=1, keepdims=True)
-        t = t - shift
+        shift = x0 + xp.mean(xs - x0, axis=1, keepdims=True)
+        t = xs - shift
+        residual = xp.mean(t, axis=1, keepdims=True)
+        square = xp.astype(xp.mean(t * t, axis=1, keepdims=True), wide)
+        var = square - xp.astype(residual, wide) ** 2
+        var = xp.where(var < 0, xp.zeros_like(var), var)  # a near-constant row (NaN stays)
+        t = t - residual
     else:
         t = xs
-    var = xp.astype(xp.mean(t * t, axis=1, keepdims=True), wide)
+        var = xp.astype(xp.mean(t * t, axis=1, keepdims=True), wide)
     factor, rstd = _factor_and_rstd(xp, var, s, plan.eps)
     y = t * xp.astype(factor, compute)
     if weight is not None:
@@ -88,7 +95,7 @@ def _normalize(
     stats = getattr(xp, plan.stats_dtype)
     mean = None
     if centre:
-        mean = xp.astype((xp.astype(x0, wide) + xp.astype(shift, wide)) * s, stats)
+        mean = xp.astype((xp.astype(shift, wide) + xp.astype(residual, wide)) * s, stats)
         mean = xp.reshape(mean, (plan.rows,))
     return y, mean, xp.reshape(xp.astype(rstd, stats), (plan.rows,))
 
@@ -137,7 +144,7 @@ def _factor_and_rstd(xp: Any, var: Any, s: Any, eps: float) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Backward (see :mod:`normlab.backward` for the contract).
+# Backward (see :mod:`normlab.hookspecs` for the contract).
 
 
 def layer_norm_backward(

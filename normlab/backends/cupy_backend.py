@@ -299,14 +299,14 @@ def _parameters(arrays: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, A
 
 
 # --------------------------------------------------------------------------------------------
-# Backward (see :mod:`normlab.backward` for the contract and kernels/backward.cu for the kernels).
+# Backward (see :mod:`normlab.hookspecs` for the contract and kernels/backward.cu for the kernels).
 
 
 def layer_norm_backward(
     dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, *, plan: Plan, needs: frozenset[str]
 ) -> tuple[Any, Any, Any]:
     """LayerNorm's ``(dx, dweight, dbias)`` of the 2-D ``dy`` and ``x`` (unit column stride,
-    any row stride); see :mod:`normlab.backward`. dweight and dbias are deterministic: the same
+    any row stride); see :mod:`normlab.hookspecs`. dweight and dbias are deterministic: the same
     bits on every run and every GPU."""
     _refuse_grad(plan)
     return _backward(dy, x, mean, rstd, weight, plan, needs)

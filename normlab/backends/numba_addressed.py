@@ -1,10 +1,11 @@
-"""Kernel entries by address: small CPU tensors handed to the serial kernels as integers.
+"""Kernel entries by address: C-contiguous CPU tensors handed to the kernels as integers.
 
 A NumPy view of a tensor (``Tensor.numpy()``) and a tensor of a NumPy result
 (``torch.from_numpy``) cost about 0.6 µs each, and a one-token call crosses four to six times:
 more than the kernel itself. For C-contiguous tensors the backend passes each tensor's address
 (``Tensor.data_ptr()``) instead; these entries view that memory as the C-contiguous arrays it
-holds (``numba.carray``) and call the very serial kernels a NumPy call runs
+holds (``numba.carray``) and call the very serial kernels a NumPy call runs — on the calling
+thread (``*_at``) or on numba's threads, a range of rows each (``*_parallel_at``)
 (:func:`~normlab.backends.numba_forward.layer_norm_rows`,
 :func:`~normlab.backends.numba_fused.add_norm_rows`), so the results are bit for bit the NumPy
 call's. Types come from numba's own dispatch on the other arguments: ``x_like`` is an array of
@@ -24,15 +25,20 @@ from __future__ import annotations
 from typing import Any, Final
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-from normlab.backends.numba_forward import layer_norm_rows, load
+from normlab.backends.numba_forward import FASTMATH, layer_norm_rows, load
 from normlab.backends.numba_fused import add_norm_rows
 
-__all__ = ["add_norm_rows_at", "layer_norm_rows_at"]
+__all__ = [
+    "add_norm_rows_at",
+    "add_norm_rows_parallel_at",
+    "layer_norm_rows_at",
+    "layer_norm_rows_parallel_at",
+]
 
 
 def _pointer_typed(typingctx: Any, address: Any) -> Any:
@@ -136,3 +142,68 @@ def add_norm_rows_at(
     else:
         h = carray(_pointer(h_at), (rows, cols), x_like.dtype)
         add_norm_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, stop)
+
+
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
+def layer_norm_rows_parallel_at(
+    x_like: Any,
+    w_like: Any,
+    p_like: Any,
+    x_at: int,
+    y_at: int,
+    w_at: int,
+    b_at: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    chunks: int,
+) -> None:
+    # layer_norm_rows_at over all rows, split into `chunks` equal ranges that run in parallel
+    # on numba's threads (as numba_forward.layer_norm_rows_parallel; chunks: the thread count).
+    x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
+    y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    for c in prange(chunks):
+        start, stop = rows * c // chunks, rows * (c + 1) // chunks
+        layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
+
+
+@njit(parallel=True, fastmath=FASTMATH, error_model="numpy", cache=True)
+def add_norm_rows_parallel_at(
+    x_like: Any,
+    w_like: Any,
+    p_like: Any,
+    h_like: Any,
+    x_at: int,
+    r_at: int,
+    y_at: int,
+    h_at: int,
+    w_at: int,
+    b_at: int,
+    rows: int,
+    cols: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    centre: bool,
+    chunks: int,
+) -> None:
+    # add_norm_rows_at over all rows in `chunks` parallel ranges (as layer_norm_rows_parallel_at).
+    x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
+    r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
+    y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    if h_like is None:
+        for c in prange(chunks):
+            start, stop = rows * c // chunks, rows * (c + 1) // chunks
+            add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
+    else:
+        h = carray(_pointer(h_at), (rows, cols), x_like.dtype)
+        for c in prange(chunks):
+            start, stop = rows * c // chunks, rows * (c + 1) // chunks
+            add_norm_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, stop)

@@ -1,7 +1,7 @@
 """The Numba backward kernels of LayerNorm and RMSNorm (the backend functions that call them:
-:mod:`normlab.backends.numba_backend`).
+:mod:`normlab.backends.numba_arrays`).
 
-Per row (see :mod:`normlab.backward`)::
+Per row (see :mod:`normlab.hookspecs`)::
 
     x̂  = (x - mean - res) * rstd      res = mean(x - mean): the residual of a rounded mean
     g  = dy * w
@@ -23,7 +23,8 @@ the compute dtype: at most ``chunk`` terms each) go to its own row of a partial-
 chunks are added in chunk order, in float64, at the end. Threads take whole chunks, so the result
 does not depend on the number of threads, bit for bit. ``chunk`` is an argument, never a global (see
 :mod:`normlab.backends.numba_forward`: numba would freeze it into its cache). The entry points
-(NumPy arrays, CPU tensors; the thread pool) are in :mod:`normlab.backends.numba_backend`.
+are in :mod:`normlab.backends.numba_backend` (NumPy arrays: :mod:`~normlab.backends.numba_arrays`;
+CPU tensors, through NumPy views: :mod:`~normlab.backends.numba_tensors`).
 """
 
 from __future__ import annotations

@@ -146,10 +146,33 @@ class _EntryFiles(caching.IndexDataCacheFile):
         name = f"{self._filename_base}.{digest}.nbc"
         self._save_data(name, data)  # type: ignore[no-untyped-call]
         with self._index_lock():
-            overloads = self._load_index()  # type: ignore[no-untyped-call]
+            overloads = self._load_index()
             if overloads.get(key) != name:
                 overloads[key] = name
                 self._save_index(overloads)  # type: ignore[no-untyped-call]
+
+    def _load_index(self) -> dict[Any, Any]:
+        """numba's index, or an empty one when the file is corrupt or truncated (its entries
+        are then compiled again, and the index written anew, atomically, by :meth:`save`)."""
+        try:
+            index: dict[Any, Any] = super()._load_index()  # type: ignore[no-untyped-call]
+        except OSError:
+            raise
+        except Exception as exc:  # unpickling a damaged file: any error
+            _say_damaged(self._index_path, exc)
+            return {}
+        return index
+
+    def _load_data(self, name: str) -> Any:
+        """numba's entry, read; a corrupt or truncated data file is an OSError, which numba
+        takes for a missing entry: the kernel is compiled again and the file replaced."""
+        try:
+            return super()._load_data(name)  # type: ignore[no-untyped-call]
+        except OSError:
+            raise
+        except Exception as exc:
+            _say_damaged(self._data_path(name), exc)  # type: ignore[no-untyped-call]
+            raise OSError(f"damaged cache entry {name}") from exc
 
     @contextlib.contextmanager
     def _index_lock(self) -> Iterator[None]:
@@ -196,6 +219,17 @@ class _KernelCache(caching.FunctionCache):
                 )
             else:
                 _say_uncached(self.cache_path, exc)
+
+
+def _say_damaged(path: str, why: Exception) -> None:
+    """A cache file that cannot be read (truncated, overwritten): said at WARNING, once per
+    file; the kernel is compiled again."""
+    compile_logger().warning(
+        "normlab's numba cache file %s is damaged (%s: %s); compiling its kernel again",
+        path,
+        type(why).__name__,
+        why,
+    )
 
 
 def _say_uncached(path: str, why: object) -> None:

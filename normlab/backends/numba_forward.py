@@ -1,7 +1,7 @@
 """The Numba forward kernels of LayerNorm and RMSNorm, and the element helpers the backward
 kernels (:mod:`normlab.backends.numba_backward`) share: rows in parallel with ``prange``; short
 rows read from memory once and swept three times in cache, long rows read twice (segments
-merged). The backend functions that call them are in :mod:`normlab.backends.numba_backend`.
+merged). The backend functions that call them are in :mod:`normlab.backends.numba_arrays`.
 
 One set of kernels serves both ops: ``centre`` (LayerNorm) subtracts the row mean; without it
 (RMSNorm) the mean is 0, and ``rstd = 1 / sqrt(mean(x^2) + eps)``; the bias is zeros.
@@ -274,36 +274,55 @@ def sub_exact(a: float, b: float) -> float:
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")
 def row_moments(src: Any, w: Any, centre: bool) -> tuple[float, float]:
-    # Shifted two-pass moments of a contiguous span, n = len(src) >= 1:
-    #   mean = x0 + sum(x - x0) / n      x0 = src[0]: a constant span stays exact (LayerNorm)
-    #   mean = 0                         without centring (RMSNorm)
-    #   m2   = sum((x - mean)^2)         never E[x²]-E[x]²
-    # mean is split into mean_hi + mean_lo (compute dtype) so that x - mean is accurate in float32.
-    # src: compute dtype, contiguous (see source_row). w: any compute-dtype array (for its dtype).
-    # Returns (mean, m2) as float64; m2 is inf or NaN when a float32 block sum overflowed.
+    # Shifted, corrected two-pass moments of a contiguous span, n = len(src) >= 1:
+    #   m    = x0 + sum(x - x0) / n      x0 = src[0]: a constant span stays exact (LayerNorm)
+    #   d    = x - m                     m split into m_hi + m_lo (compute dtype), so that d is
+    #                                    one rounding of x - m wherever x is near m (Sterbenz)
+    #   mean = m + sum(d) / n            the correction: sum(x - x0) rounds at the scale of
+    #   m2   = sum(d^2) - sum(d)^2 / n   |x0 - mean| (an outlier x0 costs the mean 2e-7 of the
+    #                                    row's spread in float32); sum(d) at the row's spread
+    #   mean = 0, m2 = sum(x^2)          without centring (RMSNorm)
+    # Never E[x²]-E[x]². src: compute dtype, contiguous (see source_row). w: any compute-dtype
+    # array (for its dtype). Returns (mean, m2) as float64; m2 is inf or NaN when a float32
+    # block sum overflowed.
     n = src.shape[0]
-    mean = 0.0
-    if centre:
-        x0 = src[0]
-        shift = 0.0
+    if not centre:
+        m2 = 0.0
         for start in range(0, n, BLOCK):
             block = src[start : start + BLOCK]
             part = narrow(0.0, w)
             for j in range(block.shape[0]):
-                part += sub_exact(block[j], x0)
-            shift += part
-        mean = x0 + shift / n
-    mean_hi = narrow(mean, w)
-    mean_lo = narrow(mean - mean_hi, w)
-    m2 = 0.0
+                part += block[j] * block[j]
+            m2 += part
+        return 0.0, m2
+    x0 = src[0]
+    shift = 0.0
     for start in range(0, n, BLOCK):
         block = src[start : start + BLOCK]
         part = narrow(0.0, w)
         for j in range(block.shape[0]):
+            part += sub_exact(block[j], x0)
+        shift += part
+    mean = x0 + shift / n
+    mean_hi = narrow(mean, w)
+    mean_lo = narrow(mean - mean_hi, w)
+    m1 = 0.0
+    m2 = 0.0
+    for start in range(0, n, BLOCK):
+        block = src[start : start + BLOCK]
+        part1 = narrow(0.0, w)
+        part2 = narrow(0.0, w)
+        for j in range(block.shape[0]):
             d = sub_exact(sub_exact(block[j], mean_hi), mean_lo)
-            part += d * d
-        m2 += part
-    return mean, m2
+            part1 += d
+            part2 += d * d
+        m1 += part1
+        m2 += part2
+    correction = m1 / n
+    m2 -= m1 * correction
+    if m2 < 0.0:  # rounding of a near-constant span (NaN stays NaN)
+        m2 = 0.0
+    return mean + correction, m2
 
 
 @njit(fastmath=FASTMATH, error_model="numpy", cache=True, inline="always")

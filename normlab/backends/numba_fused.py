@@ -1,6 +1,6 @@
 """The Numba kernels of the fused residual-add ops ``add_layer_norm`` and ``add_rms_norm``: per
 row, ``h = x + residual`` rounded to x's dtype, then LayerNorm (``centre``) or RMSNorm of that
-rounded ``h``. The backend functions that call them are in :mod:`normlab.backends.numba_backend`.
+rounded ``h``. The backend functions that call them are in :mod:`normlab.backends.numba_arrays`.
 
 A row is processed in this order, which is what lets the outputs be the very memory of the
 inputs (``out`` that of x or residual, the ``h`` output that of residual or x, never both the

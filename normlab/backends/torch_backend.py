@@ -98,7 +98,14 @@ def layer_norm(
         # torch's CPU backward of half x with float32 parameters sums dweight and dbias in the
         # half dtype (errors near 1% of their scale): normalize in float32, round y once
         x = x.float()
-    y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, plan.eps)
+    half_grads = on_cpu and _half_parameter_grads(x, weight, bias)
+
+    def native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if half_grads:
+            return _HalfParameters.apply(rows, weight, bias, plan)  # type: ignore[no-untyped-call,no-any-return]
+        return torch.native_layer_norm(rows, shape, weight, bias, plan.eps)
+
+    y, mean, rstd = native(x)
     stats_dtype = _TORCH_DTYPES[plan.stats_dtype]
     if plan.return_stats and mean.dtype != stats_dtype:  # a half-precision result: recompute
         var, mean = torch.var_mean(x.detach().to(stats_dtype), dim=1, correction=0)
@@ -109,7 +116,7 @@ def layer_norm(
             mean, rstd = mean.reshape(plan.rows), rstd.reshape(plan.rows)
             if y.requires_grad:  # y's graph runs through the bad rows' inf/NaN: rebuild it
                 good = _indices(bad.logical_not())
-                kept = torch.native_layer_norm(x[good], shape, weight, bias, plan.eps)[0]
+                kept = native(x[good])[0]
                 y = torch.zeros_like(y).index_put((good,), kept)
             y, (mean, rstd) = _repair(x, weight, bias, plan, _indices(bad), y, (mean, rstd))
     if x is not given:
@@ -124,6 +131,63 @@ def _mixed(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     return x.dtype in (torch.float16, torch.bfloat16) and any(
         p is not None and p.dtype == torch.float32 for p in (weight, bias)
     )
+
+
+def _half_parameter_grads(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> bool:
+    """Half-precision ``x`` whose half-precision weight or bias requires grad (in grad mode)."""
+    return (
+        x.dtype in (torch.float16, torch.bfloat16)
+        and torch.is_grad_enabled()
+        and any(p is not None and p.requires_grad for p in (weight, bias))
+    )
+
+
+class _HalfParameters(torch.autograd.Function):
+    """``torch.native_layer_norm`` of half x with half parameters, whose gradients sum in float32.
+
+    torch's CPU backward sums dweight and dbias in the half dtype (a bfloat16 sum stalls once
+    it is 256 times its terms: 4096 rows of ones give ``dbias == 512``) and takes dx from the
+    statistics rounded to the half dtype (rows of a large mean relative to their spread lose
+    every digit). Here the forward is torch's own call (the same bits as without grad) and the
+    backward is :func:`_backward` from float32 statistics: dx rounded once to x's dtype,
+    dweight and dbias float32 chunk sums rounded once into the parameter's dtype. It is made of
+    torch operations: differentiable again.
+    """
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Plan
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return torch.native_layer_norm(x, (plan.cols,), weight, bias, plan.eps)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        x, weight, bias, plan = inputs
+        _, mean, rstd = output
+        ctx.save_for_backward(x, weight, bias)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(mean, rstd)
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor, _dmean: Any, _drstd: Any
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, bias = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        wanted = zip(("x", "weight", "bias"), ctx.needs_input_grad, strict=False)
+        needs = frozenset(name for name, wants in wanted if wants)
+        with torch.no_grad():  # the statistics in float32 (torch returns them rounded to x's)
+            var, mean = torch.var_mean(x.detach().float(), dim=1, correction=0)
+            rstd = torch.rsqrt(var.double() + plan.eps).float()
+        dx, dweight, dbias = _backward(dy, x, mean, rstd, weight, plan, needs)
+        return (
+            dx,
+            None if dweight is None or weight is None else dweight.to(weight.dtype),
+            None if dbias is None or bias is None else dbias.to(bias.dtype),
+            None,
+        )
 
 
 def rms_norm(
@@ -205,9 +269,23 @@ def _add(x: torch.Tensor, residual: torch.Tensor, into: torch.Tensor | None) -> 
 
 
 def _checked(x: torch.Tensor) -> bool:
-    """Whether the rows check runs: on CPU, outside ``torch.compile``/``torch.export`` tracing
-    (whose graphs cannot branch on values)."""
-    return x.is_cpu and not torch.compiler.is_compiling()
+    """Whether the rows check runs: on CPU tensors whose values can be read, outside
+    ``torch.compile``/``torch.export`` tracing (whose graphs cannot branch on values): not a
+    fake tensor or another subclass that dispatches itself, not under a ``torch.func``
+    transform (``vmap`` forbids reading values)."""
+    return (
+        x.is_cpu
+        and not torch.compiler.is_compiling()
+        and (type(x) is torch.Tensor or not _dispatches(type(x)))
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _dispatches(kind: type) -> bool:
+    """Whether the tensor subclass ``kind`` overrides ``__torch_dispatch__`` (FakeTensor, a
+    wrapper subclass): its values are not in memory to read."""
+    return getattr(kind, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__
 
 
 def _bad_rows(plan: Plan, rstd: torch.Tensor, centre: bool) -> torch.Tensor | None:
@@ -342,7 +420,7 @@ def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Backward (see :mod:`normlab.backward` for the contract), in torch operations: differentiable
+# Backward (see :mod:`normlab.hookspecs` for the contract), in torch operations: differentiable
 # again, on CPU and CUDA. Column sums are bitwise repeatable: fixed chunks of ROW_CHUNK rows
 # (each chunk's sum is one output of a torch reduction, computed by one thread), then a pairwise
 # tree of elementwise float64 additions over the chunks; nothing depends on the thread count.
@@ -361,7 +439,7 @@ def layer_norm_backward(
     needs: frozenset[str],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))``, ``dweight = Σ dy * x̂``, ``dbias = Σ dy``
-    with ``x̂ = (x - mean) * rstd``, ``g = dy * weight``; see :mod:`normlab.backward`."""
+    with ``x̂ = (x - mean) * rstd``, ``g = dy * weight``; see :mod:`normlab.hookspecs`."""
     return _backward(dy, x, mean, rstd, weight, plan, needs)
 
 

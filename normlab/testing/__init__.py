@@ -63,7 +63,7 @@ def check(
     """
     import pytest
 
-    from normlab.testing import pytest_plugin
+    import normlab.testing.pytest_plugin as pytest_plugin
 
     args = [
         str(SUITE),

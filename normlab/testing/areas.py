@@ -12,6 +12,7 @@ AREAS: Final = (
     "basics",  # worked example, eps, affine parameters, statistics' dtype and shape
     "numerics",  # random calls against the reference, named numerical cases, magnitudes
     "rows",  # NaN/Inf confinement, batch independence, row counts and widths at block edges
+    "batch invariance",  # a row's bits alone and in batches, strided, out=, fused, backward
     "layouts",  # strides, x never modified, empty inputs
     "out/in place",  # out=, out= with statistics, out=x
     "errors",  # every bad input raises its NormlabError subclass
@@ -47,6 +48,7 @@ _BY_MODULE: Final = {
     "test_numerics": "numerics",
     "test_results": "basics",
     "test_rows": "rows",
+    "test_batch_invariance": "batch invariance",
     "test_boundaries": "rows",
     "test_layouts": "layouts",
     "test_errors": "errors",

@@ -18,12 +18,12 @@ from typing import Any, Final
 import numpy as np
 
 import normlab
-from normlab import registry
-from normlab.backward import GRADIENTS
-from normlab.spec import stats_dtype_for
-from normlab.testing import backward_reference
+import normlab.testing.backward_reference as backward_reference
+from normlab.constants import stats_dtype_for
+from normlab.ops import OPS
 from normlab.testing.cases import Case, same_kind
 from normlab.testing.conversions import arrange, conversion, numpy_dtype
+from normlab.testing.default_choice import call_backend, flushes_subnormals
 from normlab.testing.tolerances import assert_close
 
 __all__ = ["BACKWARD_OPS", "BackwardCase"]
@@ -48,7 +48,7 @@ class BackwardCase:
     @property
     def names(self) -> tuple[str, ...]:
         """The gradients the op returns, in order (``"x"``, ``"weight"``[, ``"bias"``])."""
-        result: tuple[str, ...] = GRADIENTS[self.op]
+        result: tuple[str, ...] = OPS[self.op].gradients
         return result
 
     @property
@@ -119,7 +119,7 @@ class BackwardCase:
         repro = self.snippet(backend)
         args, kwargs = self.inputs(backend)
         before = [None if a is None else b.to_numpy(a).tobytes() for a in args]
-        result = self.call(*args, **kwargs, backend=backend)
+        result = self.call(*args, **kwargs, backend=call_backend(backend))
         after = [None if a is None else b.to_numpy(a).tobytes() for a in args]
         labels = ("dy", "x", *(("mean",) if len(args) == 5 else ()), "rstd", "weight")
         changed = [n for n, old, new in zip(labels, before, after, strict=True) if old != new]
@@ -190,7 +190,7 @@ class BackwardCase:
             if traced is not None:
                 references["torch.autograd (float64)"] = traced
         repro = self.snippet(backend) if repro is None else repro
-        flushed = registry.get(backend).flushes_subnormals
+        flushed = flushes_subnormals(backend)
         f = self.forward
         cond = want.conditioning
         worst = float(cond.max(initial=1.0))
@@ -221,7 +221,7 @@ class BackwardCase:
             "    from normlab.testing.cases import Case\n"
             f"    case = {self!r}\n"
             f"    args, kwargs = case.inputs({backend!r})  # dy, x, stats, weight as tested\n"
-            f"    grads = normlab.{self.op}(*args, **kwargs, backend={backend!r})\n"
+            f"    grads = normlab.{self.op}(*args, **kwargs, backend={call_backend(backend)!r})\n"
             "    expected = case.expected()  # float64 oracle: .gradients, .scales\n"
             f"    case.check({backend!r})  # the comparison\n"
         )

@@ -1,6 +1,6 @@
 """The float64 oracles of the backward ops (:mod:`normlab.reference` holds the forward ones).
 
-:func:`gradients` evaluates the closed-form gradients (the formula of :mod:`normlab.backward`)
+:func:`gradients` evaluates the closed-form gradients (the formula of :mod:`normlab.hookspecs`)
 from exact float64 statistics, with the scales the tolerances need; :func:`autograd` gets the
 same gradients independently, by torch.autograd through a float64 forward written out in torch
 operations (None when torch is not installed). The suite checks both against central
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from normlab import reference
-from normlab.constants import MACHINE_EPS
+from normlab.constants import MACHINE_EPS, stats_dtype_for
 from normlab.testing.tolerances import gradient_scales
 
 __all__ = ["Expected", "autograd", "gradients"]
@@ -37,11 +37,11 @@ class Expected:
 
 
 def _eps(op: str, x: np.ndarray, eps: float | None) -> float:
-    """eps as the forward used it: rms_norm's None is finfo(x.dtype).eps."""
+    """eps as the forward used it: rms_norm's None is finfo(compute dtype).eps."""
     if eps is None:
         if op != "rms_norm":
             raise ValueError("layer_norm needs an eps")
-        return MACHINE_EPS[x.dtype.name]
+        return MACHINE_EPS[stats_dtype_for(x.dtype.name)]
     return eps
 
 

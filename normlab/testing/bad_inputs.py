@@ -8,7 +8,7 @@ backend's family: x is ``(2, 3, 4)`` ones of the family's test dtype unless the 
 (a float dtype a parameter of x may not have), ``{wider}``, ``{narrower}``, ``{stats}`` (the
 statistics' dtype) and ``{other_stats}`` stand for dtype names. The conformance suite runs the
 table through the backend under test (normlab/testing/test_errors.py), the project's tests
-through the numpy and torch backends (tests/test_errors.py).
+through the numpy and torch backends (tests/core/test_errors.py).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from typing import Any, Final
 import numpy as np
 
 import normlab
-from normlab import reference, registry
-from normlab.spec import stats_names
+from normlab import reference
+from normlab.ops import OPS as TABLE
 from normlab.testing.conversions import (
     LAYOUTS,
     LayoutUnavailable,
@@ -33,6 +33,7 @@ from normlab.testing.conversions import (
     finfo,
     numpy_dtype,
 )
+from normlab.testing.default_choice import call_backend, flushes_subnormals
 from normlab.testing.tolerances import assert_close, conditioning, y_scale
 
 __all__ = [
@@ -122,7 +123,7 @@ class Case:
     (its repr is code).
 
     ``weight``/``bias`` are the parameters' dtypes, or None for no parameter (rms_norm has no
-    bias). ``eps=None`` is rms_norm's default (finfo(dtype).eps). Values come from
+    bias). ``eps=None`` is rms_norm's default (finfo of the compute dtype). Values come from
     ``numpy.random.default_rng(seed)``; the layout changes strides, never values.
     """
 
@@ -251,7 +252,9 @@ class Case:
         rms_norm; both statistics None without return_stats)."""
         b = conversion(backend)
         x, kwargs = self.inputs(backend)
-        result = self.call(x, **kwargs, backend=backend, return_stats=self.return_stats)
+        result = self.call(
+            x, **kwargs, backend=call_backend(backend), return_stats=self.return_stats
+        )
         y, mean, rstd = self.unpack(result)
         same_kind(y, x, self.snippet(backend))
 
@@ -296,7 +299,7 @@ class Case:
         x, weight, bias = self.numpy_inputs() if inputs is None else inputs
         want_y, want_mean, want_rstd = self.expected((x, weight, bias))
         repro = self.snippet(backend) if repro is None else repro
-        flushed = registry.get(backend).flushes_subnormals
+        flushed = flushes_subnormals(backend)
         cond = conditioning(want_mean, want_rstd)
         with np.errstate(invalid="ignore"):
             centred = reference.to_float64(x) - (0.0 if want_mean is None else want_mean)
@@ -329,7 +332,7 @@ class Case:
                 "mean": (mean, want_mean, 1.0 / want_rstd),
                 "rstd": (rstd, want_rstd, want_rstd),
             }
-        for name in stats_names(self.op):
+        for name in TABLE[self.op].stats_outputs:
             got, want, unit = stats[name]
             if got is None or want is None:
                 raise AssertionError(f"{name} is missing\n{repro}")
@@ -366,7 +369,7 @@ class Case:
             f"{driven}"
             f"    case = {self!r}\n"
             f"    x, kwargs = case.inputs({backend!r})  # the backend's arrays, as tested\n"
-            f"    result = normlab.{self.op}(x, **kwargs, backend={backend!r}, "
+            f"    result = normlab.{self.op}(x, **kwargs, backend={call_backend(backend)!r}, "
             f"return_stats={self.return_stats})\n"
             "    expected = case.expected()  # float64 reference (y, mean or None, rstd)\n"
             f"    case.check({backend!r})  # the comparison\n"

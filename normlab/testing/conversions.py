@@ -17,6 +17,7 @@ from typing import Any, Final, Protocol
 import numpy as np
 
 from normlab import reference, registry
+from normlab.testing.default_choice import default_family, is_default
 
 __all__ = [
     "LAYOUTS",
@@ -260,11 +261,17 @@ def driven_family(backend: str) -> str | None:
 def conversion(backend: str) -> Conversion:
     """How the suite makes and reads ``backend``'s arrays: its record's ``from_numpy`` and
     ``to_numpy``, or, when :func:`drive` named a family, that family's on the backend's device
-    (the first device the record lists other than ``cpu``, if any)."""
+    (the first device the record lists other than ``cpu``, if any). A default subject
+    (``default:FAMILY``) uses the family's own backend's."""
+    if is_default(backend):
+        family = default_family(backend)
+        owner = _owner(family)
+        return Conversion(family, owner.from_numpy, owner.to_numpy)
     record = registry.get(backend)
-    family = _DRIVEN.get(backend)
-    if family is None:
+    driven = _DRIVEN.get(backend)
+    if driven is None:
         return Conversion(_family_of(record), record.from_numpy, record.to_numpy)
+    family = driven
     owner = _owner(family)
     devices = sorted(record.devices - {"cpu"}) or ["cpu"]
     device = devices[0]

@@ -21,9 +21,10 @@ import numpy as np
 
 import normlab
 from normlab import reference
-from normlab.spec import stats_names
+from normlab.ops import OPS
 from normlab.testing.cases import Case, _values, same_kind
 from normlab.testing.conversions import arrange, conversion, driven_family, finfo
+from normlab.testing.default_choice import call_backend
 
 __all__ = ["FUSED_OPS", "PAIRS", "FusedCase", "absorbing_offset", "assert_same_bits"]
 
@@ -157,7 +158,7 @@ class FusedCase:
         (the base op's form when ``return_residual`` is False)."""
         names = ["y", *(["h"] if self.return_residual else [])]
         if self.base.return_stats:
-            names += stats_names(self.base.op)
+            names += OPS[self.base.op].stats_outputs
         if names == ["y"]:
             assert not isinstance(result, (tuple, list)), (
                 f"{self.op}(..., return_residual=False) must return y alone, as "
@@ -177,7 +178,9 @@ class FusedCase:
         b = conversion(backend)
         x, residual, kwargs = self.inputs(backend)
         repro = self.snippet(backend)
-        y, h, mean, rstd = self.unpack(self.call(x, residual, **kwargs, backend=backend), repro)
+        y, h, mean, rstd = self.unpack(
+            self.call(x, residual, **kwargs, backend=call_backend(backend)), repro
+        )
         same_kind(y, x, repro)
         if h is not None:
             same_kind(h, x, repro)
@@ -233,7 +236,8 @@ class FusedCase:
             f"{driven}"
             f"    case = {self!r}\n"
             f"    x, residual, kwargs = case.inputs({backend!r})  # as tested\n"
-            f"    result = normlab.{self.op}(x, residual, **kwargs, backend={backend!r})\n"
+            f"    result = normlab.{self.op}(x, residual, **kwargs, "
+            f"backend={call_backend(backend)!r})\n"
             "    h = case.h()  # NumPy's x + residual in x's dtype: h must equal it bitwise\n"
             f"    case.check({backend!r})  # the comparison\n"
         )

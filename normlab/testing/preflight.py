@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from normlab import registry
 from normlab.errors import BackendError
+from normlab.testing.default_choice import candidates, default_family, is_default
 
 __all__ = ["obstacle"]
 
@@ -23,6 +24,11 @@ def obstacle(name: str, *, allow_unavailable: bool = False) -> str | None:
     ``allow_unavailable``: a backend that is unavailable here for a reason other than a
     missing module is no obstacle (its tests are skipped with the reason).
     """
+    if is_default(name):
+        family = default_family(name)
+        if not candidates(family):
+            return f"{name}: no available backend serves {family} arrays by default"
+        return None
     try:
         backend = registry.get(name)
     except BackendError as exc:

@@ -6,7 +6,9 @@ else requests, and imports no array library.
 
 Options:
     --normlab-backend NAME  a backend to test (repeatable, or a comma list); the suite's tests
-                            are parametrised over these backends.
+                            are parametrised over these backends. ``default:FAMILY`` tests the
+                            default choice (no backend named) on FAMILY's arrays; ``default``
+                            every installed family's.
     --normlab-profile P     ``ci`` (fast, derandomized; the default) or ``full`` (thorough).
     --normlab-xfail ID      tests whose node id contains ID are expected to fail (repeatable);
                             an ID that matches no collected test is reported with a warning.
@@ -130,10 +132,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def backend_names(config: pytest.Config) -> list[str]:
-    """The backends named with ``--normlab-backend``, in order, without repeats."""
+    """The backends named with ``--normlab-backend``, in order, without repeats; ``default``
+    stands for the default subject of every installed family (``default:numpy``, …)."""
     names: list[str] = []
     for value in config.getoption("normlab_backend"):
-        names.extend(part.strip() for part in value.split(",") if part.strip())
+        for part in (p.strip() for p in value.split(",")):
+            if part == "default":
+                from normlab.testing.default_choice import default_subjects
+
+                names.extend(default_subjects())
+            elif part:
+                names.append(part)
     return list(dict.fromkeys(names))
 
 

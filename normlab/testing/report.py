@@ -42,6 +42,7 @@ _FUSED_PATHS: Final = {
     "kernel": "was tested through {backend}'s own fused kernel",
     "composed": "was tested through the core's composition ({backend}'s record lists {base}, "
     "not {op}): x + residual with x's library, then {backend}'s {base}",
+    "default": "was tested through the default choice (no backend named)",
     None: "was not tested: {backend} provides neither it nor {base}",
 }
 
@@ -161,18 +162,29 @@ class Report:
 
     def write_json(self, path: Path) -> None:
         import normlab
-        from normlab import registry
 
         document = {
             "schema": SCHEMA,
             "normlab": normlab.__version__,
             "backend": self.backend,
-            "provided_by": registry.get(self.backend).provided_by,
+            "provided_by": _provided_by(self.backend),
             "profile": self.profile,
             "fused": self.fused_paths(),
             "results": [asdict(r) for r in self.in_area_order()],
         }
         path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _provided_by(name: str) -> str:
+    """Where subject ``name``'s record comes from (a default subject: the dispatcher's)."""
+    from normlab import registry
+    from normlab.testing.default_choice import candidates, default_family, is_default
+
+    if is_default(name):
+        family = default_family(name)
+        chosen = ", ".join(b.name for b in candidates(family))
+        return f"the default choice among {chosen}"
+    return registry.get(name).provided_by
 
 
 def _snippet(tail: str) -> str:

@@ -15,8 +15,8 @@ from typing import Final
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from normlab.backward import GRADIENTS
-from normlab.spec import HALF_DTYPES
+from normlab.constants import HALF_DTYPES
+from normlab.ops import OPS
 from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
 from normlab.testing.cases import LAYOUTS, Case
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase
@@ -183,7 +183,7 @@ def backward_cases(
     """A complete random backward call of ``op``'s gradients: a random forward call
     (:func:`cases`) and ``needs``, mostly the default, else any subset of the gradients."""
     forward = draw(cases(dtypes, layouts, op))
-    names = GRADIENTS[BACKWARD_OPS[op]]
+    names = OPS[BACKWARD_OPS[op]].gradients
     subset = st.lists(st.sampled_from(names), unique=True, max_size=len(names)).map(tuple)
     needs = draw(st.one_of(st.none(), st.none(), subset))
     return BackwardCase(forward, needs)

@@ -12,9 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+import normlab.testing.default_choice as default_choice
 from normlab import arrays, dispatch, registry
 from normlab.constants import FLOAT_DTYPES
 from normlab.ops import OPS
+from normlab.registry import Backend
 from normlab.testing.conversions import (
     LAYOUTS,
     Conversion,
@@ -31,7 +33,10 @@ def fused_path(name: str, op: str) -> str | None:
     """How the suite's tests of the fused ``op`` (``"add_layer_norm"``, ``"add_rms_norm"``)
     reach backend ``name``: ``"kernel"`` (its record lists the op: its own one-pass function),
     ``"composed"`` (it lists only the base op: the core adds x + residual with x's library,
-    then runs its base op), or None (neither: the tests are skipped)."""
+    then runs its base op), ``"default"`` (a default subject: whichever the choice gives), or
+    None (neither: the tests are skipped)."""
+    if default_choice.is_default(name):
+        return "default"
     ops = registry.get(name).ops
     if op in ops:
         return "kernel"
@@ -58,14 +63,24 @@ class Subject:
     flushes_subnormals: bool = False
     #: the family's arrays have memory normlab can address (strides): outputs can be written
     addressable: bool = True
+    #: the record promises batch invariance (``batch_invariant``; a default: every candidate)
+    batch_invariant: bool = True
 
     @classmethod
     def of(cls, name: str) -> Subject:
-        """The subject for backend ``name``; skips (with the reason) when it cannot run here."""
-        backend = registry.get(name)
+        """The subject for backend ``name`` (or the default subject ``default:FAMILY``, see
+        :mod:`.default_choice`); skips (with the reason) when it cannot run here."""
         convert = conversion(name)
-        if not backend.available:
-            pytest.skip(f"backend {name!r} is unavailable here: {backend.reason}")
+        if default_choice.is_default(name):
+            family = default_choice.default_family(name)
+            chosen = default_choice.candidates(family)
+            if not chosen:
+                pytest.skip(f"no available backend serves {family} arrays by default")
+            backend = _Claims.common(chosen)
+        else:
+            backend = _Claims.of(registry.get(name))
+        if backend.unavailable is not None:
+            pytest.skip(f"backend {name!r} is unavailable here: {backend.unavailable}")
         if "layer_norm" not in backend.ops:
             pytest.skip(f"backend {name!r} does not provide layer_norm")
         unmakeable: dict[str, str] = {}
@@ -89,7 +104,33 @@ class Subject:
             layouts={layout: _layout_problem(probe, layout, convert) for layout in LAYOUTS},
             flushes_subnormals=backend.flushes_subnormals,
             addressable=arrays.info(made).strides is not None,
+            batch_invariant=backend.batch_invariant,
         )
+
+    @property
+    def is_default(self) -> bool:
+        """Whether this is a default subject (``default:FAMILY``): calls name no backend."""
+        return default_choice.is_default(self.name)
+
+    @property
+    def backend(self) -> str | None:
+        """What the suite's calls pass as ``backend=``: the name, or None for a default
+        subject (the dispatcher chooses)."""
+        return default_choice.call_backend(self.name)
+
+    def require_named(self, what: str) -> None:
+        """Skip for a default subject: ``what`` concerns a backend named with ``backend=``."""
+        if self.is_default:
+            pytest.skip(f"{self.name} names no backend: {what} is checked per backend")
+
+    def require_batch_invariance(self) -> None:
+        """Skip unless the record promises batch invariance (``batch_invariant``, the default);
+        the report names the area whose every test was skipped."""
+        if not self.batch_invariant:
+            pytest.skip(
+                f"backend {self.name!r} declares batch_invariant=False: a row's bits may depend "
+                "on the rest of its batch"
+            )
 
     @property
     def dtype(self) -> str:
@@ -152,7 +193,12 @@ class Subject:
     def require_graph(self, op: str) -> None:
         """Skip unless torch tensors that require grad keep their graph through this backend's
         ``op``: it records graphs itself, or normlab runs it through its custom ops
-        (:func:`normlab.dispatch.keeps_graph`)."""
+        (:func:`normlab.dispatch.keeps_graph`); a default subject: through some candidate."""
+        if self.is_default:
+            family = default_choice.default_family(self.name)
+            if not any(dispatch.keeps_graph(b, op) for b in default_choice.candidates(family)):
+                pytest.skip(f"no backend serving {family} arrays keeps the graph of {op}")
+            return
         if not dispatch.keeps_graph(registry.get(self.name), op):
             pytest.skip(
                 f"backend {self.name!r} neither records autograd graphs nor provides "
@@ -181,6 +227,44 @@ class Subject:
 
     def to_numpy(self, a: Any) -> np.ndarray:
         return np.asarray(conversion(self.name).to_numpy(a))
+
+
+@dataclass(frozen=True)
+class _Claims:
+    """What a subject's record claims: one backend's, or what every candidate of a default
+    subject holds to (dtypes and ops of any, capabilities of all)."""
+
+    unavailable: str | None
+    dtypes: frozenset[str]
+    ops: frozenset[str]
+    capabilities: frozenset[str]
+    flushes_subnormals: bool
+    batch_invariant: bool
+
+    @classmethod
+    def of(cls, backend: Backend) -> _Claims:
+        return cls(
+            None if backend.available else backend.reason,
+            backend.dtypes,
+            backend.ops,
+            backend.capabilities,
+            backend.flushes_subnormals,
+            backend.batch_invariant,
+        )
+
+    @classmethod
+    def common(cls, backends: list[Backend]) -> _Claims:
+        """The claims of a default call among ``backends``: ``out=`` and in place always (the
+        core writes them through a temporary for a backend that does not), strides where every
+        candidate reads them."""
+        return cls(
+            None,
+            frozenset().union(*(b.dtypes for b in backends)),
+            frozenset().union(*(b.ops for b in backends)),
+            frozenset.intersection(*(b.capabilities for b in backends)) | {"out", "inplace"},
+            any(b.flushes_subnormals for b in backends),
+            all(b.batch_invariant for b in backends),
+        )
 
 
 def _layout_problem(probe: np.ndarray, layout: str, convert: Conversion) -> str | None:

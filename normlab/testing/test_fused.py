@@ -21,12 +21,12 @@ from hypothesis import given, settings
 import normlab
 from normlab import ArgumentError
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
-from normlab.spec import stats_names
-from normlab.testing import strategies
+from normlab.ops import OPS
 from normlab.testing.backward_cases import BackwardCase
 from normlab.testing.cases import Case
 from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
+from normlab.testing.strategies import fused_cases
 from normlab.testing.subject import Subject
 
 #: The fused ops, and each one's base op.
@@ -78,10 +78,11 @@ def _require(subject: Subject, op: str) -> None:
 def test_fused_path(normlab_subject: Subject, op: str) -> None:
     """explain() names the path the suite tests: the backend's own fused kernel where its
     record lists the op, else "composed" (the family's add, then the backend's base op)."""
+    normlab_subject.require_named("the fused path a backend's record implies")
     path = normlab_subject.require_fused(op)
     case = _case(normlab_subject, op)
     x, residual, kwargs = case.inputs(normlab_subject.name)
-    text = normlab.explain(x, residual, **kwargs, backend=normlab_subject.name, op=op)
+    text = normlab.explain(x, residual, **kwargs, backend=normlab_subject.backend, op=op)
     assert f"chosen: {normlab_subject.name} " in text, text
     assert ("composed:" in text) == (path == "composed"), (
         f"the record {'lists' if path == 'kernel' else 'does not list'} {op}, yet explain() "
@@ -95,7 +96,7 @@ def test_fused_random_calls(normlab_subject: Subject, normlab_settings: settings
     residual, both return_residual forms: h bitwise, y and the statistics within tolerance."""
     _require(normlab_subject, op)
     name = normlab_subject.name
-    drawn = strategies.fused_cases(normlab_subject.dtypes, normlab_subject.usable_layouts, op)
+    drawn = fused_cases(normlab_subject.dtypes, normlab_subject.usable_layouts, op)
 
     @normlab_settings
     @given(case=drawn)
@@ -188,9 +189,9 @@ def test_fused_return_forms(
     case.compare(y, h, mean, rstd, backend=normlab_subject.name)
     if not return_residual:  # the base op called the same way returns the same form
         x, residual, kwargs = case.inputs(normlab_subject.name)
-        fused_form = _form(case.call(x, residual, **kwargs, backend=normlab_subject.name))
+        fused_form = _form(case.call(x, residual, **kwargs, backend=normlab_subject.backend))
         del kwargs["return_residual"]
-        base_form = _form(case.base.call(x, **kwargs, backend=normlab_subject.name))
+        base_form = _form(case.base.call(x, **kwargs, backend=normlab_subject.backend))
         assert fused_form == base_form, (
             f"{op}(..., return_residual=False) returns {fused_form}, {BASE[op]} returns "
             f"{base_form}\n{case.snippet(normlab_subject.name)}"
@@ -220,7 +221,7 @@ def test_fused_inputs_never_modified(
     before = {k: normlab_subject.to_numpy(a).tobytes() for k, a in inputs.items()}
     results = []
     for call in ("first", "second"):
-        result = case.call(x, residual, **kwargs, backend=normlab_subject.name)
+        result = case.call(x, residual, **kwargs, backend=normlab_subject.backend)
         for what, a in inputs.items():
             assert normlab_subject.to_numpy(a).tobytes() == before[what], (
                 f"{what} was modified by the {call} call\n{case.snippet(normlab_subject.name)}"
@@ -266,9 +267,9 @@ def test_fused_out(normlab_subject: Subject, op: str, given: str) -> None:
         residual_out = _zeros(normlab_subject, shape, dtype, layout)
     if stats:
         stats_dtype = "float64" if dtype == "float64" else "float32"
-        out = (out, *(_zeros(normlab_subject, (6, 1), stats_dtype) for _ in stats_names(op)))
+        out = (out, *(_zeros(normlab_subject, (6, 1), stats_dtype) for _ in OPS[op].stats_outputs))
     result = case.call(
-        x, residual, **kwargs, out=out, residual_out=residual_out, backend=normlab_subject.name
+        x, residual, **kwargs, out=out, residual_out=residual_out, backend=normlab_subject.backend
     )
     repro = case.snippet(normlab_subject.name)
     y, h, mean, rstd = case.unpack(result, repro)
@@ -319,14 +320,14 @@ def test_fused_in_place(normlab_subject: Subject, op: str, form: str, layout: st
     copies = {k: normlab_subject.to_numpy(a).copy() for k, a in arrays.items()}
     out = None if out_of is None else arrays[out_of]
     residual_out = None if residual_out_of is None else arrays[residual_out_of]
-    stats_out = (out, *(None for _ in stats_names(op)))
+    stats_out = (out, *(None for _ in OPS[op].stats_outputs))
     result = case.call(
         x,
         residual,
         **kwargs,
         out=stats_out if out is not None else None,
         residual_out=residual_out,
-        backend=normlab_subject.name,
+        backend=normlab_subject.backend,
     )
     repro = case.snippet(normlab_subject.name) + f"    # in place: {form}\n"
     y, h, mean, rstd = case.unpack(result, repro)
@@ -399,7 +400,7 @@ def test_fused_aliasing_refused(normlab_subject: Subject, op: str, overlap: str)
     before = {k: s.to_numpy(a).tobytes() for k, a in given.items()}
     with pytest.raises(ArgumentError):
         getattr(normlab, op)(
-            x, residual, weight=weight, out=out, residual_out=residual_out, backend=s.name
+            x, residual, weight=weight, out=out, residual_out=residual_out, backend=s.backend
         )
     for what, a in given.items():
         assert s.to_numpy(a).tobytes() == before[what], f"{overlap}: {what} was modified"
@@ -432,7 +433,7 @@ def test_fused_autograd(normlab_subject: Subject, op: str, dtype: str) -> None:
         for name in ("weight", "bias"):
             if name in kwargs:
                 leaves[name] = kwargs[name].requires_grad_()
-        y, h = case.call(x, residual, **kwargs, backend=s.name)
+        y, h = case.call(x, residual, **kwargs, backend=s.backend)
         torch.autograd.backward([y if wrt == "y" else h], [grad])
         grads = {
             name: None if leaf.grad is None else np.asarray(s.to_numpy(leaf.grad))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import normlab
-from normlab.spec import stats_names
+from normlab.ops import OPS as TABLE
 from normlab.testing.cases import OPS, Case, same_kind
 from normlab.testing.conversions import LAYOUTS, arrange, numpy_dtype
 from normlab.testing.subject import Subject
@@ -82,7 +82,7 @@ def test_strided_view_reaches_backend(
     normlab_subject.require_layout(layout)
     case = Case((4, 33), normlab_subject.dtype, layout=layout, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
-    text = normlab.explain(x, **kwargs, backend=normlab_subject.name, op=op)
+    text = normlab.explain(x, **kwargs, backend=normlab_subject.backend, op=op)
     assert "no copy of x" in text, text
 
 
@@ -106,7 +106,7 @@ def test_x_never_modified(normlab_subject: Subject, op: str, layout: str) -> Non
     x, kwargs = case.inputs(normlab_subject.name)
     arrays: dict[str, Any] = {"x": x, **{k: kwargs[k] for k in ("weight", "bias") if k in kwargs}}
     before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
-    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    result = case.call(x, **kwargs, backend=normlab_subject.backend, return_stats=True)
     for what, a in arrays.items():
         assert normlab_subject.to_numpy(a).tobytes() == before[what], (
             f"{what} was modified\n{case.snippet(normlab_subject.name)}"
@@ -143,7 +143,7 @@ def test_x_never_modified_on_the_direct_path(
     before = {what: normlab_subject.to_numpy(a).tobytes() for what, a in arrays.items()}
     results = []
     for call in ("first", "second"):
-        result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=return_stats)
+        result = case.call(x, **kwargs, backend=normlab_subject.backend, return_stats=return_stats)
         for what, a in arrays.items():
             assert normlab_subject.to_numpy(a).tobytes() == before[what], (
                 f"{what} was modified by the {call} call\n{case.snippet(normlab_subject.name)}"
@@ -172,14 +172,14 @@ def test_empty(normlab_subject: Subject, op: str, shape: tuple[int, ...], axis: 
     dtype = normlab_subject.dtype
     case = Case(shape, dtype, axis=axis, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
-    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True)
+    result = case.call(x, **kwargs, backend=normlab_subject.backend, return_stats=True)
     y, *stats = result
     same_kind(y, x, case.snippet(normlab_subject.name))
     stats_shape = tuple(1 if a in case.axes else n for a, n in enumerate(shape))
-    assert len(stats) == len(stats_names(op)), f"{op} returned {len(result)} arrays"
+    assert len(stats) == len(TABLE[op].stats_outputs), f"{op} returned {len(result)} arrays"
     for got in (normlab_subject.to_numpy(a) for a in stats):
         assert got.shape == stats_shape and got.dtype == numpy_dtype(dtype), (got.shape, got.dtype)
-    same_kind(case.call(x, **kwargs, backend=normlab_subject.name), x)
+    same_kind(case.call(x, **kwargs, backend=normlab_subject.backend), x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def test_out(normlab_subject: Subject, op: str, layout: str, out_layout: str) ->
         out_layout,
         normlab_subject,
     )
-    y = case.call(x, **kwargs, backend=normlab_subject.name, out=out)
+    y = case.call(x, **kwargs, backend=normlab_subject.backend, out=out)
     assert y is out, f"{op}(..., out=out) must return out itself"
     _check_y(out, case, normlab_subject)
     assert normlab_subject.to_numpy(x).tobytes() == x_before, "x was modified"
@@ -236,12 +236,12 @@ def test_out_with_stats(normlab_subject: Subject, op: str, given: str) -> None:
     case = Case((6, 33), dtype, "rowwise", seed=12, op=op)
     x, kwargs = case.inputs(normlab_subject.name)
     entries = {"y": np.zeros(case.shape, numpy_dtype(dtype))}
-    entries.update({what: np.zeros((6, 1), stats_dtype) for what in stats_names(op)})
+    entries.update({what: np.zeros((6, 1), stats_dtype) for what in TABLE[op].stats_outputs})
     out = tuple(
         normlab_subject.from_numpy(a) if given in (what, "all") else None
         for what, a in entries.items()
     )
-    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=True, out=out)
+    result = case.call(x, **kwargs, backend=normlab_subject.backend, return_stats=True, out=out)
     for got, passed in zip(result, out, strict=True):
         assert passed is None or got is passed, "an out entry given must be returned itself"
     y, mean, rstd = (
@@ -272,7 +272,7 @@ def test_in_place(normlab_subject: Subject, op: str, layout: str) -> None:
         op=op,
     )
     x, kwargs = case.inputs(normlab_subject.name)
-    y = case.call(x, **kwargs, backend=normlab_subject.name, out=x)
+    y = case.call(x, **kwargs, backend=normlab_subject.backend, out=x)
     assert y is x, f"{op}(x, out=x) must return x itself"
     _check_y(x, case, normlab_subject)
 
@@ -305,8 +305,8 @@ def test_in_place_row_views(normlab_subject: Subject, op: str, layout: str, stat
     x, kwargs = case.inputs(normlab_subject.name)
     out: Any = x
     if stats:
-        out = (x, *(None for _ in stats_names(op)))
-    result = case.call(x, **kwargs, backend=normlab_subject.name, return_stats=stats, out=out)
+        out = (x, *(None for _ in TABLE[op].stats_outputs))
+    result = case.call(x, **kwargs, backend=normlab_subject.backend, return_stats=stats, out=out)
     y, mean, rstd = case.unpack(result)
     assert y is x, f"{op}(x, out=x) must return x itself\n{case.snippet(normlab_subject.name)}"
     case.compare(

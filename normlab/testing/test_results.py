@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from normlab.spec import FLOAT_DTYPES, stats_names
+from normlab.constants import FLOAT_DTYPES
+from normlab.ops import OPS as TABLE
 from normlab.testing.cases import OPS, Case
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
@@ -52,7 +53,7 @@ def test_result_kinds(
         shape = tuple(1 if a in case.axes else n for a, n in enumerate(case.shape))
         want = numpy_dtype("float64" if dtype == "float64" else "float32")
         stats = {"mean": mean, "rstd": rstd}
-        for what in stats_names(op):
+        for what in TABLE[op].stats_outputs:
             got = stats[what]
             assert got is not None, f"{what} is missing"
             assert (got.shape, got.dtype) == (shape, want), (

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from normlab.spec import FLOAT_DTYPES, HALF_DTYPES, stats_names
+from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
+from normlab.ops import OPS as TABLE
 from normlab.testing.cases import OPS, POISONED, Case
 from normlab.testing.subject import Subject
 
@@ -65,7 +66,10 @@ def test_batch_independence(normlab_subject: Subject, op: str, dtype: str, cols:
 
     def run(part: np.ndarray) -> list[np.ndarray]:
         result = case.call(
-            normlab_subject.from_numpy(part), **params, backend=name, return_stats=True
+            normlab_subject.from_numpy(part),
+            **params,
+            backend=normlab_subject.backend,
+            return_stats=True,
         )
         return [normlab_subject.to_numpy(a) for a in result]
 
@@ -77,7 +81,7 @@ def test_batch_independence(normlab_subject: Subject, op: str, dtype: str, cols:
             for s in (slice(0, 2), slice(0, 7), slice(1, rows), slice(5, rows - 3))
         }
     )
-    names = ("y", *stats_names(op))
+    names = ("y", *TABLE[op].stats_outputs)
     for label, part in batches.items():
         for what, got, want in zip(names, run(x[part]), whole, strict=True):
             if not _same_bits(got, want[part]):

@@ -1,6 +1,7 @@
 // The row code of the forward kernels, shared by LayerNorm/RMSNorm (layer_norm.cu) and the fused
-// residual add + norm (add_norm.cu): a thread's chunks of a row loaded and shifted, their
-// statistic, the row's rstd and mean, and y written from the chunks.
+// residual add + norm (add_norm.cu): a thread's chunks of a row loaded (unshifted), the row's
+// reductions (LayerNorm: the corrected two-pass, two reductions; RMSNorm: one), its mean and
+// rstd, and y written from the chunks.
 #pragma once
 
 #include "reduce.cuh"
@@ -9,107 +10,140 @@
 namespace normlab {
 
 // Loads one thread's ITEMS chunks of a row (chunk i at column first + i * step; `cols` columns
-// in all) into D, and the number of columns of each chunk inside the row into N. CENTRE: shifted,
-// D = x - x0 (0 for columns past the row); else D = x (0 past the row).
-template <bool CENTRE, bool VECTOR, int ITEMS, int VEC, typename T, typename A>
+// in all) into V, as they are: V = x converted to A (0 for columns past the row, which the
+// statistics and the stores skip), and the number of columns of each chunk inside the row into N.
+template <bool VECTOR, int ITEMS, int VEC, typename T, typename A>
 __device__ __forceinline__ void load_thread_chunks(
-    const T* Row, long long first, long long step, long long cols, A x0, A (&D)[ITEMS][VEC],
+    const T* Row, long long first, long long step, long long cols, A (&V)[ITEMS][VEC],
     int (&N)[ITEMS]) {
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     N[i] = chunk_count<VEC>(first + i * step, cols);
-    load_chunk<VECTOR>(Row, first + i * step, N[i], x0, D[i]);
-  }
-  if constexpr (CENTRE) {
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        D[i][k] -= x0;
-      }
-    }
+    load_chunk<VECTOR>(Row, first + i * step, N[i], A(0), V[i]);
   }
 }
 
-// The statistic a row is reduced to: Moments for LayerNorm (CENTRE), SquareSum for RMSNorm.
-template <bool CENTRE, typename A>
-struct RowStatistic {
-  using type = Moments<A>;
+// The shared-memory slots of one row's reductions (row_combine): CENTRE, one for the shifted sum
+// and one for the deviation sums, the second reduction of the row; else one for its SquareSum.
+template <bool CENTRE, typename A, int WARPS>
+struct RowPartials {
+  Sums<A, 1> shifted[WARPS];
+  Sums<A, 2> deviations[WARPS];
 };
-template <typename A>
-struct RowStatistic<false, A> {
-  using type = SquareSum<A>;
+template <typename A, int WARPS>
+struct RowPartials<false, A, WARPS> {
+  SquareSum<A> squares[WARPS];
 };
 
-// The statistic of the first N[i] values of each chunk D[i]. CENTRE: exact Moments (a plain
-// two-pass over registers: the mean, then the sum of squared deviations from it); else the
-// SquareSum.
-template <bool CENTRE, int ITEMS, int VEC, typename A>
-__device__ __forceinline__ typename RowStatistic<CENTRE, A>::type thread_statistic(
-    const A (&D)[ITEMS][VEC], const int (&N)[ITEMS]) {
+// The first N[i] values of each chunk V[i], reduced per thread (each thread adds its values in
+// chunk order, one rounding a term; the threads then merge their sums with row_combine):
+//   shifted_sum     sum(v - x0)                          LayerNorm, first reduction
+//   deviation_sums  sum(d), sum(d^2) with d = v - m       LayerNorm, second reduction
+//   square_sum      sum(v^2)                              RMSNorm
+template <int ITEMS, int VEC, typename A>
+__device__ __forceinline__ Sums<A, 1> shifted_sum(
+    const A (&V)[ITEMS][VEC], const int (&N)[ITEMS], A x0) {
+  A sum = A(0);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      sum += k < N[i] ? V[i][k] - x0 : A(0);
+    }
+  }
+  return Sums<A, 1>{{sum}};
+}
+template <int ITEMS, int VEC, typename A>
+__device__ __forceinline__ Sums<A, 2> deviation_sums(
+    const A (&V)[ITEMS][VEC], const int (&N)[ITEMS], A m) {
+  A sum = A(0);
+  A squares = A(0);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      const A d = k < N[i] ? V[i][k] - m : A(0);
+      sum += d;
+      squares += d * d;
+    }
+  }
+  return Sums<A, 2>{{sum, squares}};
+}
+template <int ITEMS, int VEC, typename A>
+__device__ __forceinline__ SquareSum<A> square_sum(
+    const A (&V)[ITEMS][VEC], const int (&N)[ITEMS]) {
+  A sum = A(0);
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      sum += k < N[i] ? V[i][k] * V[i][k] : A(0);
+    }
+  }
+  return SquareSum<A>{sum};
+}
+
+// What y is formed from: the row's mean (0 for RMSNorm: nothing subtracted) and rstd.
+template <typename A>
+struct RowNorm {
+  A mean;
+  A rstd;
+};
+
+// m = x0 + sum(x - x0) / cols, the shifted mean (exact for a constant row), from the row's
+// shifted sum. Its error is a rounding at the scale of |x0 - mean| (not of the row's spread):
+// corrected_norm removes it.
+template <typename A>
+__device__ __forceinline__ A shifted_mean(const Sums<A, 1>& s, A x0, long long cols) {
+  return x0 + quotient(s.v[0], static_cast<A>(cols));
+}
+
+// The corrected two-pass, from the row's sums of d = x - m and d^2:
+//   res  = sum(d) / cols,  mean = m + res
+//   M2   = sum(d^2) - sum(d) * res  (>= 0; NaN stays NaN),  rstd = 1 / sqrt(M2 / cols + eps)
+template <typename A>
+__device__ __forceinline__ RowNorm<A> corrected_norm(
+    const Sums<A, 2>& s, A m, long long cols, A eps) {
+  const A n = static_cast<A>(cols);
+  const A res = quotient(s.v[0], n);
+  A m2 = s.v[1] - s.v[0] * res;
+  m2 = m2 < A(0) ? A(0) : m2;
+  return RowNorm<A>{m + res, inverse_sqrt(quotient(m2, n) + eps)};
+}
+
+// rstd = 1 / sqrt(sum(x^2) / cols + eps) of the row's SquareSum (RMSNorm; mean 0).
+template <typename A>
+__device__ __forceinline__ RowNorm<A> square_norm(
+    const SquareSum<A>& s, long long cols, A eps) {
+  return RowNorm<A>{A(0), inverse_sqrt(quotient(s.sum, static_cast<A>(cols)) + eps)};
+}
+
+// The mean and rstd of a row whose threads hold all of it in registers (V, N: this thread's
+// chunks; cols: the row length, >= 1). CENTRE: two reductions over the registers, no memory
+// traffic: the shifted sum gives m, then the deviation sums about m give the corrected mean and
+// rstd. Else one reduction of the squares. Every thread of the block calls it (row_combine's
+// barriers), dead rows included (with their V zero and N empty); warp: within the row.
+template <bool CENTRE, int WARPS, int ITEMS, int VEC, typename A>
+__device__ __forceinline__ RowNorm<A> row_norm(
+    const A (&V)[ITEMS][VEC], const int (&N)[ITEMS], A x0, long long cols, A eps,
+    RowPartials<CENTRE, A, WARPS>& partial, int warp) {
   if constexpr (CENTRE) {
-    A sum = A(0);
-    int count = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      count += N[i];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        sum += k < N[i] ? D[i][k] : A(0);
-      }
-    }
-    const A n = static_cast<A>(count);
-    const A mean = count > 0 ? quotient(sum, n) : A(0);
-    A m2 = A(0);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const A e = D[i][k] - mean;
-        m2 += k < N[i] ? e * e : A(0);
-      }
-    }
-    return Moments<A>{n, mean, m2};
+    const Sums<A, 1> s = row_combine<WARPS>(shifted_sum(V, N, x0), partial.shifted, warp);
+    const A m = shifted_mean(s, x0, cols);
+    const Sums<A, 2> q = row_combine<WARPS>(deviation_sums(V, N, m), partial.deviations, warp);
+    return corrected_norm(q, m, cols, eps);
   } else {
-    A sum = A(0);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        sum += k < N[i] ? D[i][k] * D[i][k] : A(0);
-      }
-    }
-    return SquareSum<A>{sum};
+    return square_norm(row_combine<WARPS>(square_sum(V, N), partial.squares, warp), cols, eps);
   }
 }
 
-// rstd = 1 / sqrt(var + eps) of a row's Moments, 1 / sqrt(mean(x^2) + eps) of its SquareSum.
-template <typename A>
-__device__ __forceinline__ A row_rstd(const Moments<A>& m, long long, A eps) {
-  return inverse_sqrt(quotient(m.m2, m.n) + eps);
-}
-template <typename A>
-__device__ __forceinline__ A row_rstd(const SquareSum<A>& s, long long cols, A eps) {
-  return inverse_sqrt(quotient(s.sum, static_cast<A>(cols)) + eps);
-}
-
-// The mean of D over the row: mean(x - x0) for Moments; 0 for a SquareSum (nothing subtracted).
-template <typename A>
-__device__ __forceinline__ A row_mean_d(const Moments<A>& m) {
-  return m.mean;
-}
-template <typename A>
-__device__ __forceinline__ A row_mean_d(const SquareSum<A>&) {
-  return A(0);
-}
-
-// Writes one thread's chunks D (as loaded by load_thread_chunks) to the row Y: CENTRE,
-// y = (d - mean_d) * rstd * w + b; else y = d * rstd * w (B unused). w = 1 when W is nullptr,
-// b = 0 when B is nullptr.
+// Writes one thread's chunks V (as loaded by load_thread_chunks: x itself, or h) to the row Y:
+// CENTRE, y = (v - mean) * rstd * w + b, v - mean rounded once; else y = v * rstd * w (B and
+// mean unused). w = 1 when W is nullptr, b = 0 when B is nullptr.
 template <bool CENTRE, bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
 __device__ __forceinline__ void write_chunks(
-    T* Y, const P* __restrict__ W, const P* __restrict__ B, const A (&D)[ITEMS][VEC],
-    const int (&N)[ITEMS], long long first, long long step, A mean_d, A rstd) {
+    T* Y, const P* __restrict__ W, const P* __restrict__ B, const A (&V)[ITEMS][VEC],
+    const int (&N)[ITEMS], long long first, long long step, A mean, A rstd) {
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const long long c = first + i * step;
@@ -121,12 +155,12 @@ __device__ __forceinline__ void write_chunks(
       load_chunk<VECTOR>(B, c, B != nullptr ? N[i] : 0, A(0), b);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        y[k] = (D[i][k] - mean_d) * rstd * w[k] + b[k];
+        y[k] = (V[i][k] - mean) * rstd * w[k] + b[k];
       }
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        y[k] = D[i][k] * rstd * w[k];
+        y[k] = V[i][k] * rstd * w[k];
       }
     }
     store_chunk<VECTOR>(Y, c, N[i], y);

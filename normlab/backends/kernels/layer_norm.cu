@@ -1,14 +1,24 @@
 // LayerNorm and RMSNorm forward over the rows of a 2-D array (unit column stride, any signed row
-// stride). CENTRE = true, LayerNorm:
+// stride). CENTRE = true, LayerNorm, the corrected two-pass (forward.cuh), in the accumulation
+// type A:
 //
 //   x0   = x[0]                          the row's first element (the shift)
-//   d    = x - x0                        in the accumulation type A
-//   mean = x0 + mean(d)
-//   var  = mean((d - mean(d))^2)         population variance (ddof = 0), exact two-pass per
-//                                        thread, merged across threads with Chan's rule
-//   rstd = 1 / sqrt(var + eps)           eps added in A; quotient() and inverse_sqrt()
+//   m    = x0 + sum(x - x0) / n          first reduction: the shifted mean, exact for a constant
+//                                        row but rounded at the scale of |x0 - mean|
+//   d    = x - m                         formed from the registers, rounded once
+//   res  = sum(d) / n                    second reduction (of d and d^2, over the registers: no
+//                                        memory traffic): the correction, at the row's spread
+//   mean = m + res                       the corrected mean (written to Mean)
+//   M2   = sum(d^2) - sum(d) * res       var = M2 / n, population (ddof = 0); M2 < 0 gives 0
+//   rstd = 1 / sqrt(M2 / n + eps)        eps added in A; quotient() and inverse_sqrt()
 //                                        (reduce.cuh) within an ulp of IEEE / and sqrt
-//   y    = (d - mean(d)) * rstd * w + b  w = 1 without weight, b = 0 without bias; rounded once
+//   y    = (x - mean) * rstd * w + b     x converted to A, x - mean rounded once; w = 1 without
+//                                        weight, b = 0 without bias; rounded once to T
+//
+// The registers hold x itself; x - x0 and d are formed from them on the fly in the two
+// reductions, x - mean in the store. A constant row gives sum(x - x0) = 0, m = x0, d = 0,
+// res = 0, mean = x0 exactly, x - mean = 0 and y = b exactly (eps > 0). Each reduction adds a
+// thread's values in chunk order and merges the threads in lane, then warp order (reduce.cuh).
 //
 // CENTRE = false, RMSNorm (no shift, no mean, no bias):
 //
@@ -22,16 +32,18 @@
 // element at a time), so a row's result depends only on its length and dtype: bitwise the same
 // alone, in a batch, aligned or not. X and Y may be the same memory (in place): each element is
 // written by the thread that read it, after reading it; x[0], which every thread of a LayerNorm
-// row reads, is read before the row's reduction and written after it. W and B never alias Y.
+// row reads, is read before the row's reductions and written after them. W and B never alias Y.
 //
 // Two kernels, both templates over the element type T, the parameter type P (T, or float when T
 // is a half type) and CENTRE:
 //   normalize_rows  THREADS threads per row (a warp, with several rows per block, up to a block
-//                   per row); each thread keeps ITEMS chunks of the row in registers, so x is
-//                   read from memory exactly once.
-//   normalize_loop  one block of LOOP_THREADS per row, for rows beyond register capacity: a
-//                   sweep that merges statistics chunk group by chunk group, then a second
-//                   sweep, last chunk group first (most likely still in L2), that writes y.
+//                   per row); each thread keeps ITEMS chunks of the row (x, unshifted) in
+//                   registers, so x is read from memory exactly once.
+//   normalize_loop  one block of LOOP_THREADS per row, for rows beyond register capacity: x is
+//                   read again for each reduction and for y. LayerNorm: three sweeps, the
+//                   shifted sum (first chunk group first), the deviation sums (last first) and
+//                   y (first first), each starting where the last ended (most likely still in
+//                   L2); RMSNorm: two, the squares (first first) and y (last first).
 #include "forward.cuh"
 #include "reduce.cuh"
 #include "rows.cuh"
@@ -56,11 +68,10 @@ normalize_rows(
     long long y_row_stride,                    // elements between rows of y (any sign)
     typename Accumulator<T>::type eps) {       // added before the square root
   using A = typename Accumulator<T>::type;
-  using S = typename RowStatistic<CENTRE, A>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int ROWS_PER_BLOCK = RowsBlock<THREADS>::threads / THREADS;
   constexpr int WARPS = THREADS / 32;
-  __shared__ S partial[ROWS_PER_BLOCK][WARPS];
+  __shared__ RowPartials<CENTRE, A, WARPS> partial[ROWS_PER_BLOCK];
   const int sub = static_cast<int>(threadIdx.x) / THREADS;  // row within the block
   const int t = static_cast<int>(threadIdx.x) % THREADS;    // thread within the row
   const long long first = static_cast<long long>(t) * VEC;  // first column of chunk 0
@@ -72,28 +83,28 @@ normalize_rows(
     const long long r = live ? row : 0;
     const T* x = X + r * x_row_stride;
     const A x0 = CENTRE && live ? to_acc(x[0]) : A(0);
-    A d[ITEMS][VEC];
+    A v[ITEMS][VEC];
     int n[ITEMS];
-    load_thread_chunks<CENTRE, VECTOR>(x, first, STEP, live ? cols : 0, x0, d, n);
-    const S m = row_combine<WARPS>(thread_statistic<CENTRE>(d, n), partial[sub], t / 32);
+    load_thread_chunks<VECTOR>(x, first, STEP, live ? cols : 0, v, n);
+    const RowNorm<A> s = row_norm<CENTRE, WARPS>(v, n, x0, cols, eps, partial[sub], t / 32);
     if (!live) {
       continue;
     }
-    const A rstd = row_rstd(m, cols, eps);
-    const A mean_d = row_mean_d(m);
     if (CENTRE && t == 0 && Mean != nullptr) {  // flat tests: nested ones cost registers
-      Mean[row] = x0 + mean_d;
+      Mean[row] = s.mean;
     }
     if (t == 0 && Rstd != nullptr) {
-      Rstd[row] = rstd;
+      Rstd[row] = s.rstd;
     }
-    write_chunks<CENTRE, VECTOR>(Y + row * y_row_stride, W, B, d, n, first, STEP, mean_d, rstd);
+    T* y = Y + row * y_row_stride;
+    write_chunks<CENTRE, VECTOR>(y, W, B, v, n, first, STEP, s.mean, s.rstd);
   }
 }
 
-// One row per block of LOOP_THREADS threads, any row length: statistics merged over steps of
-// LOOP_THREADS * LOOP_ITEMS chunks, then y written in a second sweep (last step first) that
-// re-reads x. Arguments as for normalize_rows. Grid: any size; blocks stride over the rows.
+// One row per block of LOOP_THREADS threads, any row length: each reduction sweeps the row in
+// steps of LOOP_THREADS * LOOP_ITEMS chunks, a thread adding its sum of each step to its total,
+// then y is written in a last sweep; each sweep reads x again. Arguments as for normalize_rows.
+// Grid: any size; blocks stride over the rows.
 template <typename T, typename P, bool CENTRE, bool VECTOR>
 __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
     const T* X,                                // x: row r at X + r * x_row_stride
@@ -108,40 +119,58 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
     long long y_row_stride,                    // elements between rows of y (any sign)
     typename Accumulator<T>::type eps) {       // added before the square root
   using A = typename Accumulator<T>::type;
-  using S = typename RowStatistic<CENTRE, A>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int WARPS = LOOP_THREADS / 32;
   constexpr long long STEP = static_cast<long long>(LOOP_THREADS) * VEC;
   constexpr long long SWEEP = STEP * LOOP_ITEMS;  // columns per step
-  __shared__ S partial[WARPS];
+  __shared__ RowPartials<CENTRE, A, WARPS> partial;
   const int t = static_cast<int>(threadIdx.x);
   const long long first = static_cast<long long>(t) * VEC;
   const long long last = (cols - 1) / SWEEP * SWEEP;  // first column of the last step
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = X + row * x_row_stride;
-    const A x0 = CENTRE ? to_acc(x[0]) : A(0);
-    S m{};  // the empty set
-    for (long long base = 0; base < cols; base += SWEEP) {
-      A d[LOOP_ITEMS][VEC];
-      int n[LOOP_ITEMS];
-      load_thread_chunks<CENTRE, VECTOR>(x, base + first, STEP, cols, x0, d, n);
-      m = combine(m, thread_statistic<CENTRE>(d, n));
+    RowNorm<A> s;
+    if constexpr (CENTRE) {
+      const A x0 = to_acc(x[0]);
+      Sums<A, 1> shifted{};  // the empty set
+      for (long long base = 0; base <= last; base += SWEEP) {
+        A v[LOOP_ITEMS][VEC];
+        int n[LOOP_ITEMS];
+        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+        shifted = combine(shifted, shifted_sum(v, n, x0));
+      }
+      const A m = shifted_mean(row_combine<WARPS>(shifted, partial.shifted, t / 32), x0, cols);
+      Sums<A, 2> deviations{};
+      for (long long base = last; base >= 0; base -= SWEEP) {
+        A v[LOOP_ITEMS][VEC];
+        int n[LOOP_ITEMS];
+        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+        deviations = combine(deviations, deviation_sums(v, n, m));
+      }
+      s = corrected_norm(row_combine<WARPS>(deviations, partial.deviations, t / 32), m, cols, eps);
+    } else {
+      SquareSum<A> squares{};
+      for (long long base = 0; base <= last; base += SWEEP) {
+        A v[LOOP_ITEMS][VEC];
+        int n[LOOP_ITEMS];
+        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+        squares = combine(squares, square_sum(v, n));
+      }
+      s = square_norm(row_combine<WARPS>(squares, partial.squares, t / 32), cols, eps);
     }
-    m = row_combine<WARPS>(m, partial, t / 32);
-    const A rstd = row_rstd(m, cols, eps);
-    const A mean_d = row_mean_d(m);
     if (CENTRE && t == 0 && Mean != nullptr) {  // flat tests: nested ones cost registers
-      Mean[row] = x0 + mean_d;
+      Mean[row] = s.mean;
     }
     if (t == 0 && Rstd != nullptr) {
-      Rstd[row] = rstd;
+      Rstd[row] = s.rstd;
     }
     T* y = Y + row * y_row_stride;
-    for (long long base = last; base >= 0; base -= SWEEP) {
-      A d[LOOP_ITEMS][VEC];
+    for (long long step = 0; step <= last; step += SWEEP) {  // from where the last sweep ended
+      const long long base = CENTRE ? step : last - step;
+      A v[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
-      load_thread_chunks<CENTRE, VECTOR>(x, base + first, STEP, cols, x0, d, n);
-      write_chunks<CENTRE, VECTOR>(y, W, B, d, n, base + first, STEP, mean_d, rstd);
+      load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+      write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd);
     }
   }
 }

@@ -1,14 +1,14 @@
 // The statistics of a row, and the rules that merge the statistics of two parts of it:
-//   Moments    count, mean, M2 = sum((v - mean)^2)   merged by Chan et al. (LayerNorm)
 //   SquareSum  sum(v^2)                              merged by addition    (RMSNorm)
-//   Sums       N sums                                merged by addition    (the backward)
+//   Sums       N sums                                merged by addition    (LayerNorm's two
+//                                                    reductions, the backward's row sums)
 //
-// Every normlab kernel reduces a row the same way: each thread computes the exact statistic of
-// the values it holds (from its registers), then the threads of a row merge those statistics
-// pairwise with combine(), first across the lanes of a warp (warp_combine), then across the warps
-// of a row (row_combine). The merge order is fixed by lane and warp index, so every thread ends
-// with bitwise the same row statistic and the result depends only on the row length, never on
-// other rows.
+// Every normlab kernel reduces a row the same way: each thread computes the statistic of the
+// values it holds (from its registers, adding them in chunk order), then the threads of a row
+// merge those statistics pairwise with combine(), first across the lanes of a warp
+// (warp_combine), then across the warps of a row (row_combine). The merge order is fixed by lane
+// and warp index, so every thread ends with bitwise the same row statistic and the result
+// depends only on the row length, never on other rows.
 #pragma once
 
 namespace normlab {
@@ -61,40 +61,6 @@ __device__ __forceinline__ double inverse_sqrt(double v) {
   return tiny ? r * 0x1p54 : r;
 }
 
-// Count, mean and M2 = sum of (v - mean)^2 of a set of values. The empty set is {0, 0, 0}.
-template <typename A>
-struct Moments {
-  A n;
-  A mean;
-  A m2;
-};
-
-// The moments of the union of two disjoint sets (Chan, Golub & LeVeque 1979):
-//   n = na + nb,  delta = mean_b - mean_a,
-//   mean = mean_a + delta * nb / n,  M2 = M2a + M2b + delta^2 * na * nb / n.
-// Exact when either side is empty: combine(a, {}) == a and combine({}, b) == b bitwise.
-template <typename A>
-__device__ __forceinline__ Moments<A> combine(const Moments<A>& a, const Moments<A>& b) {
-  const A n = a.n + b.n;
-  const A wb = a.n == A(0) ? A(1) : quotient(b.n, n);  // weight of b: 1 when a is empty
-  const A delta = b.mean - a.mean;
-  Moments<A> r;
-  r.n = n;
-  r.mean = a.mean + delta * wb;
-  r.m2 = a.m2 + b.m2 + delta * delta * a.n * wb;
-  return r;
-}
-
-// The statistic of lane (this lane's index ^ offset) of the warp.
-template <typename A>
-__device__ __forceinline__ Moments<A> shuffle_xor(const Moments<A>& m, int offset) {
-  Moments<A> other;
-  other.n = __shfl_xor_sync(0xffffffffu, m.n, offset);
-  other.mean = __shfl_xor_sync(0xffffffffu, m.mean, offset);
-  other.m2 = __shfl_xor_sync(0xffffffffu, m.m2, offset);
-  return other;
-}
-
 // Sum of the squares of a set of values (about zero: nothing is subtracted). The empty set is {0}.
 template <typename A>
 struct SquareSum {
@@ -142,7 +108,7 @@ __device__ __forceinline__ Sums<A, N> shuffle_xor(const Sums<A, N>& s, int offse
   return r;
 }
 
-// Merges the statistics S (Moments, SquareSum or Sums) of the 32 lanes of a warp (a butterfly over
+// Merges the statistics S (SquareSum or Sums) of the 32 lanes of a warp (a butterfly over
 // lane-index bits). At each step the lower lane group's statistic is the first argument of
 // combine on both partners, so every lane computes the same operations in the same order and
 // ends with the same bits.

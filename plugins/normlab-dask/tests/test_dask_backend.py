@@ -194,7 +194,7 @@ def test_whole_rows_are_not_rechunked() -> None:
 
 def test_explain_lines() -> None:
     x = da.ones((8, 6, 10), chunks=(2, 3, 5))
-    plan = normlab.spec.plan("layer_norm", x, None, None, None, 1e-5, None, False, None)
+    plan = normlab.spec.plan("layer_norm", x)
     lines = backend.explain(x, plan=plan).splitlines()
     assert "split into 2 chunks; they are rechunked" in lines[0]
     assert "Dask rechunk them" in lines[1]  # batch axes (0, 1) chunked after the leading one

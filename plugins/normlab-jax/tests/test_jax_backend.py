@@ -92,8 +92,9 @@ def test_conformance_suite() -> None:
     """``normlab check jax``, in x64 mode: float64 arrays exist only there, and the suite makes
     each dtype the record lists (the other dtypes behave the same in either mode). The record
     declares ``flushes_subnormals``: the suite skips its subnormal rows, saying so."""
+    known = "--normlab-xfail=test_float32_small_outputs_as_accurate_as_torch"  # see noxfile.py
     with jax.enable_x64(True):
-        assert testing.check("jax") == 0
+        assert testing.check("jax", extra_pytest_args=(known,)) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -29,7 +29,7 @@ import numpy as np
 from dask.array.utils import meta_from_array
 
 if TYPE_CHECKING:
-    from normlab.spec import Plan
+    from normlab.hookspecs import Plan
 
 __all__ = ["explain", "from_numpy", "layer_norm", "normalize_chunk", "rms_norm", "to_numpy"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from normlab.spec import Plan
+from normlab.hookspecs import Plan
 
 __all__ = ["from_numpy", "layer_norm", "to_numpy"]
 

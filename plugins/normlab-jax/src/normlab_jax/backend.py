@@ -49,7 +49,7 @@ import normlab
 import numpy as np
 
 if TYPE_CHECKING:
-    from normlab.spec import Plan
+    from normlab.hookspecs import Plan
 
 __all__ = ["from_numpy", "kernel", "layer_norm", "rms_norm", "row_mean", "row_scale", "to_numpy"]
 
