@@ -17,9 +17,10 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-import plugins_for_tests
 import pytest
 from hypothesis import settings
+
+from tests.support import plugins_for_tests
 
 
 def _own_kernel_cache_per_xdist_worker() -> None:
@@ -64,15 +65,15 @@ def _prefer_numpy_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _module_rng_seeded_by_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test module's ``RNG`` (a NumPy Generator) starts each test seeded by the test's own
     name, so a test draws the same data whichever tests ran before it in its process (under
-    pytest-xdist, that differs from run to run) and one commit gives one verdict."""
+    pytest-xdist, that differs from run to run) and one commit gives one verdict. The name is
+    the module's file name and the test's, so moving a module to another folder keeps its data."""
     module = request.module
     if not isinstance(getattr(module, "RNG", None), np.random.Generator):
         yield
         return
     shared = module.RNG
-    module.RNG = np.random.default_rng(
-        zlib.crc32(f"{module.__name__}::{request.node.name}".encode())
-    )
+    basename = module.__name__.rpartition(".")[2]
+    module.RNG = np.random.default_rng(zlib.crc32(f"{basename}::{request.node.name}".encode()))
     yield
     module.RNG = shared
 
