@@ -63,6 +63,10 @@ def tests_all(session: nox.Session) -> None:
     session.run("pytest", *PARALLEL, "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
 
+#: The suite test normlab-jax is known to fail (see plugin_jax).
+JAX_FLOAT32_ACCURACY = "test_float32_small_outputs_as_accurate_as_torch[jax-layer_norm"
+
+
 @nox.session(name="plugin-jax")
 def plugin_jax(session: nox.Session) -> None:
     """The normlab-jax plugin, installed as a user would: its tests, then the conformance suite
@@ -77,6 +81,11 @@ def plugin_jax(session: nox.Session) -> None:
         "--pyargs",
         "normlab.testing",
         "--normlab-backend=jax",
+        # a known deviation of normlab-jax 0.2.0: its kernel forms y from x - x0 and then the
+        # mean's remainder (two roundings), 3 times the float32 tolerance on small outputs; the
+        # corrected form costs it batch invariance under XLA (the last row of a batch of 2048
+        # came out other than alone), so the fix waits for a form XLA keeps bitwise
+        f"--normlab-xfail={JAX_FLOAT32_ACCURACY}",
         *session.posargs,
     )
 
@@ -114,7 +123,7 @@ def docs(session: nox.Session) -> None:
     site = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
     session.env["NORMLAB_SITE_DIR"] = str(site)  # test_docs scans the built HTML
-    session.run("pytest", "tests/test_docs.py", *session.posargs)
+    session.run("pytest", "tests/tools/test_docs.py", *session.posargs)
 
 
 #: The full matrix's peers beside torch (benchmarks/peers.py): bench installs them, bench-quick
@@ -219,7 +228,7 @@ def boundscheck(session: nox.Session) -> None:
     _isolate(session)
     session.install(".[test,numba,torch]", XDIST)
     session.env["NORMLAB_SLOW_TESTS"] = "1"
-    session.run("pytest", *PARALLEL, "tests/test_boundscheck.py", *session.posargs)
+    session.run("pytest", *PARALLEL, "tests/backends/numba/test_boundscheck.py", *session.posargs)
 
 
 @nox.session

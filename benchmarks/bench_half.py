@@ -28,16 +28,21 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
-import peers
-from workloads import Workload, backend_call, moved_bytes, reference_call
+
+if __name__ == "__main__":  # run as a script: the path has benchmarks/, not the root holding it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import normlab
+from benchmarks import peers
+from benchmarks.workloads import Workload, backend_call, moved_bytes, reference_call
 
 SHAPES: Final = ((32, 768), (1024, 768), (8192, 1024), (65536, 768))
 DTYPES: Final = ("float16", "bfloat16")

@@ -45,11 +45,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-import memory
 import numpy as np
-import peers
 import pytest
-from workloads import (
+
+import normlab
+from benchmarks import memory, peers
+from benchmarks.workloads import (
     AUTO,
     EPS,
     FUSED,
@@ -69,15 +70,13 @@ from workloads import (
     moved_bytes,
     reference_call,
 )
-
-import normlab
 from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
 from normlab.registry import Backend
 from normlab.testing.conversions import numpy_dtype
 
 if TYPE_CHECKING:
-    from conftest import MatrixState
+    from benchmarks.conftest import MatrixState
 
 CAP_ELEMENTS: Final = 2**26
 HIDDEN: Final = (64, 768, 1000, 1024, 4096, 16384)
@@ -183,7 +182,7 @@ def refusal(backend: Backend) -> str | None:
         probe = backend.from_numpy(np.zeros((1, 8), np.float32))
     except Exception as exc:  # a broken backend is reported and skipped, not fatal
         return f"is broken: {type(exc).__name__}: {exc}"
-    device = spec.plan("layer_norm", probe, None, None, None, 1e-5, None, False, None).device_kind
+    device = spec.plan("layer_norm", probe).device_kind
     if device != "cpu":
         return f"keeps its arrays on {device}; this matrix measures CPU backends"
     return None
@@ -461,13 +460,15 @@ def inputs() -> Inputs:
 
 
 def _call_for(case: Case, data: Workload) -> Callable[[], Any]:
-    if case.op in FUSED and case.subject not in peers.PEERS[case.op]:
-        return fused_call(case.op, case.subject, case.mode, data)
-    if case.reference or case.op is None:
+    if case.op is not None and case.subject in peers.PEERS.get(case.op, ()):
         try:
-            return reference_call(case.op or "layer_norm", case.subject, data)
+            return peers.call(case.op, case.subject, data)
         except peers.PeerUnavailable as exc:  # a peer that fails to build on this input
             pytest.skip(f"peer {case.subject}: {exc}")
+    if case.op in FUSED:
+        return fused_call(case.op, case.subject, case.mode, data)
+    if case.reference or case.op is None:
+        return reference_call(case.op or "layer_norm", case.subject, data)
     if case.subject in AUTO or case.subject in ON_TORCH:
         return auto_call(case.op, case.subject, data)
     return backend_call(case.op, registry.get(case.subject), data, out=case.mode == "out")
@@ -478,7 +479,7 @@ def default_backend(op: str, data: Workload) -> str | None:
     if op not in FORWARDS:
         return None
     bias = data.bias if op == "layer_norm" else None
-    plan = spec.plan(op, data.x, None, data.weight, bias, EPS, None, False, None)
+    plan = spec.plan(op, data.x, weight=data.weight, bias=bias, eps=EPS)
     return dispatch.choose(plan).backend.name
 
 
@@ -535,7 +536,7 @@ def test_dispatch_overhead(
     x_np = make_input(DISPATCH_SHAPE, "float32")
     w_np, b_np = make_params(DISPATCH_SHAPE[-1], "float32")
     x, w, b = (backend.from_numpy(a) for a in (x_np, w_np, b_np))
-    plan = spec.plan("layer_norm", x, None, w, b, 1e-5, None, False, None)
+    plan = spec.plan("layer_norm", x, weight=w, bias=b)
     function = backend.function("layer_norm")
 
     def through_normlab() -> Any:

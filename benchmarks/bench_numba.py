@@ -64,11 +64,11 @@ def _input(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _call(contender: str, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> Callable[[], Any]:
     """A no-argument callable running ``contender`` on the input."""
     if contender == "numba":
-        plan = spec.plan("layer_norm", x, None, weight, bias, 1e-5, None, False, None)
+        plan = spec.plan("layer_norm", x, weight=weight, bias=bias)
         return lambda: numba_backend.layer_norm(x, weight, bias, plan=plan, out=None)
     if contender == "numba_out":
         out = np.zeros_like(x)
-        plan = spec.plan("layer_norm", x, None, weight, bias, 1e-5, None, False, out)
+        plan = spec.plan("layer_norm", x, weight=weight, bias=bias, out=out)
         return lambda: numba_backend.layer_norm(x, weight, bias, plan=plan, out=out)
     if contender == "torch":
         torch = pytest.importorskip("torch")

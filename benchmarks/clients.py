@@ -3,14 +3,15 @@
     python benchmarks/clients.py                      # batches 1x16 and 32x128, 200 repeats
     python benchmarks/clients.py --shapes 8x64 --repeats 500 --backend numba --threads 1
 
-The fused model is the one tests/test_fused_clients.py checks: each ``BertSelfOutput`` and
+The fused model is the one tests/fused/test_fused_clients.py checks: each ``BertSelfOutput`` and
 ``BertOutput`` computes ``LayerNorm(dropout(dense(h)) + input)`` as one
-``normlab.add_layer_norm(..., return_residual=False)`` (``transformer_models.fuse_bert_outputs``).
-Both models run under ``torch.inference_mode`` on the same token ids; each repeat times one
-forward of each, in alternating order (interleaved, so drifts in machine load hit both alike),
-after untimed warm-up forwards. Reported: the median and interquartile range per forward, and
-the ratio of the medians, with the load average before and after (a shared machine's numbers
-are only as good as its load). Needs the ``models`` extra.
+``normlab.add_layer_norm(..., return_residual=False)``
+(``tests.support.transformer_models.fuse_bert_outputs``). Both models run under
+``torch.inference_mode`` on the same token ids; each repeat times one forward of each, in
+alternating order (interleaved, so drifts in machine load hit both alike), after untimed warm-up
+forwards. Reported: the median and interquartile range per forward, and the ratio of the medians,
+with the load average before and after (a shared machine's numbers are only as good as its load).
+Needs the ``models`` extra.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import Any, Final
 import torch
 
 ROOT: Final = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the patch the tests check: transformer_models.py
+sys.path.insert(0, str(ROOT))  # the patch the tests check: tests/support/transformer_models.py
 
-from transformer_models import fuse_bert_outputs, load_minilm  # noqa: E402
+from tests.support.transformer_models import fuse_bert_outputs, load_minilm  # noqa: E402
 
 DEFAULT_SHAPES: Final = ((1, 16), (32, 128))
 WARMUP: Final = 5

@@ -10,7 +10,8 @@ warms the call up on a few rows (imports, JIT compilation), then measures one fu
   temporaries larger than a few MiB);
 - the peak of NumPy-allocated memory during the call, through :mod:`tracemalloc`.
 
-Run as a script it prints one JSON record; :func:`measure` runs it that way.
+Run as ``python -m benchmarks.memory`` it prints one JSON record; :func:`measure` runs it that
+way.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any, Final
 
-from workloads import Workload, backend_call, reference_call
-
 import normlab
+from benchmarks.workloads import Workload, backend_call, reference_call
 from normlab import registry
 
 __all__ = ["measure"]
@@ -42,14 +42,16 @@ def measure(subject: str, kind: str, dtype: str, shape: tuple[int, ...]) -> dict
     """Probe ``subject`` (a backend name when ``kind`` is "backend", else a reference name).
 
     The subprocess imports the same normlab as this process (and the same plugins, through the
-    environment); a failure raises RuntimeError with the end of its output.
+    environment), and this package after it; a failure raises RuntimeError with the end of its
+    output.
     """
     env = dict(os.environ)
-    root = str(Path(normlab.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    roots = (Path(normlab.__file__).resolve().parents[1], Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (*map(str, roots), env.get("PYTHONPATH")) if p)
     command = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        "-m",
+        "benchmarks.memory",
         subject,
         "--kind",
         kind,

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
-from workloads import EPS, Workload, torch_forward
+
+from benchmarks.workloads import EPS, Workload, torch_forward
 
 __all__ = [
     "COMPILE_DTYPES",

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from report import Row
+    from benchmarks.report.runs import Call
 
 __all__ = ["render"]
 
@@ -48,7 +48,7 @@ _DEFAULT_STYLE: Final = {"color": "tab:red", "linestyle": "-", "marker": "o", "l
 
 
 def render(
-    rows: Sequence[Row], directory: Path, stem: str, titles: Mapping[str, str]
+    rows: Sequence[Call], directory: Path, stem: str, titles: Mapping[str, str]
 ) -> dict[str, list[Path]]:
     """Write ``<stem>-<op>-<dtype>.png`` into ``directory`` for each op and dtype with a panel.
 
@@ -92,9 +92,9 @@ def render(
     return paths
 
 
-def _rows_figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
+def _rows_figure(rows: list[Call], op: str, title: str, dtype: str) -> Any:
     """Time per call against rows, one panel per swept hidden size; ``None`` if none was."""
-    by_hidden: dict[int, list[Row]] = defaultdict(list)
+    by_hidden: dict[int, list[Call]] = defaultdict(list)
     for row in rows:
         if row.subject in _SWEEP_REFERENCES or (row.default and row.mode == "alloc"):
             by_hidden[row.shape[1]].append(row)
@@ -107,7 +107,7 @@ def _rows_figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
         return None
     figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     for ax, hidden in zip(axes.flat, panels, strict=True):
-        lines: dict[str, list[Row]] = defaultdict(list)
+        lines: dict[str, list[Call]] = defaultdict(list)
         for row in by_hidden[hidden]:
             lines["default" if row.kind != "reference" else row.subject].append(row)
         for name, points in sorted(lines.items()):
@@ -136,8 +136,8 @@ def _rows_figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
     return figure
 
 
-def _figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
-    by_rows: dict[int, list[Row]] = defaultdict(list)
+def _figure(rows: list[Call], op: str, title: str, dtype: str) -> Any:
+    by_rows: dict[int, list[Call]] = defaultdict(list)
     for row in rows:
         by_rows[row.shape[0]].append(row)
     # The copy limits alone make no line worth a panel; a row count measured at the sweep's
@@ -157,7 +157,7 @@ def _figure(rows: list[Row], op: str, title: str, dtype: str) -> Any:
     )
     flat = list(axes.flat)
     for ax, n_rows in zip(flat, panels, strict=False):
-        lines: dict[tuple[str, str, str], list[Row]] = defaultdict(list)
+        lines: dict[tuple[str, str, str], list[Call]] = defaultdict(list)
         for row in by_rows[n_rows]:
             lines[(row.kind, row.subject, row.mode)].append(row)
         for (kind, subject, mode), points in sorted(lines.items()):

@@ -27,8 +27,15 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-import report
 from rich.console import Console
+
+if __name__ == "__main__":  # run as a script: the path has benchmarks/, not the root holding it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report.metrics import REGRESSION_FLOOR
+from benchmarks.report.page import docs_page, sections
+from benchmarks.report.runs import OP_TITLES, calls, load
+from benchmarks.report.terminal import print_compare, print_report
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 RESULTS: Final = ROOT / "benchmarks" / "results"
@@ -62,7 +69,7 @@ def run_matrix(matrix: str, path: Path, budget: float | None, extra: list[str]) 
     path.parent.mkdir(parents=True, exist_ok=True)
     status = subprocess.call([*command, *extra], cwd=ROOT)
     if path.exists():  # pytest-benchmark indents by four; one level keeps the file small
-        path.write_text(json.dumps(report.load(path), indent=1) + "\n")
+        path.write_text(json.dumps(load(path), indent=1) + "\n")
     return status
 
 
@@ -71,13 +78,13 @@ def publish(paths: list[Path], console: Console, docs: bool) -> None:
 
     The page takes each op's section, and its plots, from the first run that measured the op.
     """
-    import plots
+    from benchmarks import plots
 
-    runs = [report.load(path) for path in paths]
+    runs = [load(path) for path in paths]
     drawn = []
     for path, run in zip(paths, runs, strict=True):
-        report.print_report(run, console)
-        drawn.append(plots.render(report.rows(run), path.parent, path.stem, report.OP_TITLES))
+        print_report(run, console)
+        drawn.append(plots.render(calls(run), path.parent, path.stem, OP_TITLES))
         for png in (png for pngs in drawn[-1].values() for png in pngs):
             console.print(f"plot: {png}")
     if not docs:
@@ -86,7 +93,7 @@ def publish(paths: list[Path], console: Console, docs: bool) -> None:
     for old in DOCS_IMAGES.glob(f"{DOCS_STEM}-*.png"):
         old.unlink()
     images: dict[str, list[str]] = {}
-    for op, i in report.sections(runs).items():
+    for op, i in sections(runs).items():
         for png in drawn[i].get(op, []):
             target = DOCS_IMAGES / png.name.replace(paths[i].stem, DOCS_STEM, 1)
             shutil.copyfile(png, target)
@@ -98,7 +105,7 @@ def publish(paths: list[Path], console: Console, docs: bool) -> None:
             source.relative_to(ROOT).as_posix() if source.is_relative_to(ROOT) else str(path)
         )
     page = DOCS / "performance.md"
-    page.write_text(report.docs_page(list(zip(sources, runs, strict=True)), images))
+    page.write_text(docs_page(list(zip(sources, runs, strict=True)), images))
     count = sum(len(v) for v in images.values())
     console.print(f"docs: {page} ({count} images)")
 
@@ -147,18 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threshold",
         type=float,
-        default=report.REGRESSION_FLOOR,
+        default=REGRESSION_FLOOR,
         help="least relative change that --compare flags (default: %(default)s)",
     )
     args, extra = parser.parse_known_args(argv)
     console = Console(width=shutil.get_terminal_size((160, 40)).columns)
     if args.compare:
-        before, after = (report.load(p) for p in args.compare)
-        report.print_compare(before, after, console, args.threshold)
+        before, after = (load(p) for p in args.compare)
+        print_compare(before, after, console, args.threshold)
         return 0
     if args.report:
         paths = [Path(p) for p in args.report]
-        publish(paths, console, docs=args.write_docs or _is_full(report.load(paths[0])))
+        publish(paths, console, docs=args.write_docs or _is_full(load(paths[0])))
         return 0
     matrix = "quick" if args.quick else "full"
     stamp = time.strftime("%Y-%m-%d-%H%M")

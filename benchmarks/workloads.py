@@ -16,8 +16,8 @@ alone, from the statistics the forward returned). The reference points, on the s
   existing one (``np.copyto``, matched to ``out=`` calls).
 
 The full matrix adds the peers of the forwards (:data:`peers.PEERS`: ONNX Runtime allocating and
-through an io_binding, ``torch.compile``), built by ``peers.py`` and called here like the
-references.
+through an io_binding, ``torch.compile``), built by ``peers.py`` on these inputs and called by
+the matrix beside the references.
 
 The fused ops (:data:`FUSED`: ``add_layer_norm``, ``add_rms_norm``) are timed on CPU torch
 tensors (views of the same NumPy inputs plus a ``residual``) by :func:`fused_call`: normlab's
@@ -291,19 +291,16 @@ def _first(result: Any) -> Any:
 
 
 def reference_call(op: str, name: str, data: Workload) -> Call:
-    """The reference point ``name`` of ``op`` (see :data:`REFERENCES`, :data:`LIMITS`)."""
+    """The reference point ``name`` of ``op`` (see :data:`REFERENCES`, :data:`LIMITS`); the
+    peers of the full matrix are ``peers.call``'s."""
     x, weight, bias = data.x, data.weight, data.bias
     if name == "copy":
         return x.copy
     if name == "copyto":
         y = np.empty_like(x)
         return lambda: np.copyto(y, x)
-    import peers
-
-    if name in peers.PEERS.get(op, ()):
-        return peers.call(op, name, data)
     if name not in REFERENCES.get(op, ()):
-        known = ", ".join((*REFERENCES.get(op, ()), *peers.PEERS.get(op, ()), *LIMITS))
+        known = ", ".join((*REFERENCES.get(op, ()), *LIMITS))
         raise ValueError(f"unknown reference {name!r} of {op!r}; known: {known}")
     if name == "textbook":
         return lambda: (
