@@ -24,6 +24,7 @@ import normlab
 from normlab.constants import FLOAT_DTYPES
 from normlab.ops import OPS as TABLE
 from normlab.testing.backward_cases import BACKWARD_OPS
+from normlab.testing.bitwise import same_bits
 from normlab.testing.cases import OPS, Case, LayoutUnavailable, arrange
 from normlab.testing.conversions import dtype_name, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS
@@ -154,7 +155,7 @@ def test_a_row_among_other_neighbours(s: Subject, op: str, dtype: str) -> None:
     for i in (0, 31, 63):
         mixed = np.concatenate([others[:i], x[i : i + 1], others[i : 63 + i]])
         got = s.to_numpy(function(s.from_numpy(mixed), backend=s.backend))
-        assert got[i].tobytes() == whole[i].tobytes(), (
+        assert same_bits(got[i], whole[i]), (
             f"row {i} of a batch gives other bits among other neighbours\n"
             f"{_snippet(s, op, dtype, cols)}"
         )
@@ -180,7 +181,7 @@ def test_strides_out_and_later_calls_give_the_same_rows(s: Subject, op: str, dty
 
     def same(y: Any, how: str) -> None:
         got = np.ascontiguousarray(s.to_numpy(y)).tobytes()
-        assert got == want, f"y {how} differs bitwise from the C-ordered call's\n{repro}"
+        assert same_bits(got, want), f"y {how} differs bitwise from the C-ordered call's\n{repro}"
 
     for call in range(3):
         same(function(s.from_numpy(x), backend=s.backend), f"on call {call + 1}")
@@ -252,7 +253,7 @@ def test_backward_rows_alone_and_in_any_batch(s: Subject, op: str, dtype: str) -
     every = BACKWARD_NEEDS[backward]
     first, second = ([s.to_numpy(a) for a in call(slice(0, ROWS), every)] for _ in range(2))
     for name, a, b in zip(every, first, second, strict=True):
-        assert a.tobytes() == b.tobytes(), (
+        assert same_bits(a, b), (
             f"d{name} of the same batch differs bitwise between two calls\n"
             f"{_snippet(s, backward, dtype, cols)}"
         )
