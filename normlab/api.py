@@ -9,7 +9,7 @@ import operator
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import arrays, autograd, composition, dispatch, registry, route, spec
+from normlab import arrays, autograd, composition, dispatch, parameters, registry, route, spec
 from normlab.errors import ArgumentError, NormlabError
 from normlab.ops import OPS, Op
 
@@ -55,10 +55,18 @@ def run(op: str, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
 
 def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
     """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run.
-    A fused op that no able backend provides, or an empty one, is composed by the core."""
+    Parameters the chosen backend does not take as given (an offset, another dtype) are formed
+    by the core first (:mod:`normlab.parameters`), and the call validated and chosen again for
+    them; a fused op that no able backend provides, or an empty one, is composed by the core."""
     call = spec.validated(op, args)
     plan = call.plan
     choice = dispatch.choose(plan, named)
+    given = args
+    if call.parameters and not parameters.native(call, choice):  # offset + weight, converted
+        args = parameters.composed(call, args)
+        call = spec.validated(op, args)
+        plan = call.plan
+        choice = dispatch.choose(plan, named)
     if op.base is not None and (choice.composed or plan.empty):
         return composition.run(call, choice, args)
     if plan.family == "torch":  # what torch must see of the call (autograd, transforms)
@@ -66,7 +74,7 @@ def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
         choice = autograd.through_graph(plan, choice, op.tensors, tensors(args))
     result = route.run(call, choice, args)
     if op.per_feature_outputs:
-        return _in_parameter_dtype(op, args, result)
+        return _in_parameter_dtype(op, given, result)
     return result
 
 
@@ -94,6 +102,7 @@ def layer_norm(
     backend: str | None = None,
     return_stats: bool = False,
     out: Any = None,
+    weight_offset: float = 0.0,
 ) -> Any:
     """Layer normalization: ``y = (x - mean) / sqrt(var + eps) * weight + bias``.
 
@@ -101,7 +110,9 @@ def layer_norm(
     (never across batch or sequence positions). The normalized axes are ``normalized_shape``
     (PyTorch: the trailing dims, an int or a tuple) or ``axis`` (Keras: exactly these axes, an
     int or a tuple); given neither, the last axis. ``weight`` and ``bias`` are optional, each of
-    the normalized shape, in x's dtype (or float32 when x is float16/bfloat16).
+    the normalized shape, in any float dtype: the arithmetic is in the compute dtype (float32,
+    float64 for float64 x) whatever their dtypes, the output in x's dtype. x's dtype (or float32
+    for float16/bfloat16 x) is the fast path; others are converted to the compute dtype first.
 
     Args:
         x: a NumPy, PyTorch or CuPy array (or any family a plugin serves) of a float dtype.
@@ -115,6 +126,9 @@ def layer_norm(
             in float32 (float64 for float64 x).
         out: an array like ``x`` to write the result into (may be ``x`` itself); with
             ``return_stats``, a tuple ``(y, mean, rstd)`` whose entries may be None.
+        weight_offset: the weight is used as ``weight_offset + weight``, formed in the compute
+            dtype (1.0: Gemma's RMSNorm, Transformer Engine's ``zero_centered_gamma``); needs
+            a weight. Gradients are those of ``weight`` itself.
 
     Returns:
         ``y`` — same array type, device, shape and dtype as ``x`` — or ``(y, mean, rstd)``.
@@ -124,7 +138,7 @@ def layer_norm(
         NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
             ArgumentError, BackendError).
     """
-    args = (x, normalized_shape, weight, bias, eps, axis, return_stats, out)
+    args = (x, normalized_shape, weight, bias, eps, axis, return_stats, out, weight_offset)
     return _run(_LAYER_NORM, args, backend)
 
 
@@ -138,6 +152,7 @@ def rms_norm(
     backend: str | None = None,
     return_stats: bool = False,
     out: Any = None,
+    weight_offset: float = 0.0,
 ) -> Any:
     """RMS normalization: ``y = x / sqrt(mean(x^2) + eps) * weight``.
 
@@ -145,7 +160,8 @@ def rms_norm(
     axes, exactly as for :func:`layer_norm` (``normalized_shape``/``axis``, default the last
     axis); ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
     bfloat16 and float32 x, float64's for float64), as ``torch.nn.functional.rms_norm``.
-    float16/bfloat16 accumulate in float32, so the sum of squares cannot overflow.
+    float16/bfloat16 accumulate in float32, so the sum of squares cannot overflow. ``weight``
+    (any float dtype) and ``weight_offset`` are as for :func:`layer_norm`.
 
     Returns:
         ``y`` (same array type, device, shape and dtype as ``x``), or ``(y, rstd)`` with
@@ -155,7 +171,8 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    return _run(_RMS_NORM, (x, normalized_shape, weight, eps, axis, return_stats, out), backend)
+    args = (x, normalized_shape, weight, eps, axis, return_stats, out, weight_offset)
+    return _run(_RMS_NORM, args, backend)
 
 
 def add_layer_norm(
@@ -172,6 +189,7 @@ def add_layer_norm(
     return_residual: bool = True,
     out: Any = None,
     residual_out: Any = None,
+    weight_offset: float = 0.0,
 ) -> Any:
     """Residual add fused with layer normalization: ``h = x + residual``, ``y = layer_norm(h)``.
 
@@ -209,7 +227,7 @@ def add_layer_norm(
     """
     args = (
         x, residual, normalized_shape, weight, bias, eps, axis, return_stats, return_residual,
-        out, residual_out,
+        out, residual_out, weight_offset,
     )  # fmt: skip
     return _run(_ADD_LAYER_NORM, args, backend)
 
@@ -227,6 +245,7 @@ def add_rms_norm(
     return_residual: bool = True,
     out: Any = None,
     residual_out: Any = None,
+    weight_offset: float = 0.0,
 ) -> Any:
     """Residual add fused with RMS normalization: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -236,7 +255,7 @@ def add_rms_norm(
     """
     args = (
         x, residual, normalized_shape, weight, eps, axis, return_stats, return_residual, out,
-        residual_out,
+        residual_out, weight_offset,
     )  # fmt: skip
     return _run(_ADD_RMS_NORM, args, backend)
 
@@ -252,6 +271,7 @@ def layer_norm_backward(
     axis: Any = None,
     backend: str | None = None,
     needs: Any = ("x", "weight", "bias"),
+    weight_offset: float = 0.0,
 ) -> tuple[Any, Any, Any]:
     """The gradients of :func:`layer_norm`: ``(dx, dweight, dbias)`` for the upstream ``dy``.
 
@@ -267,6 +287,8 @@ def layer_norm_backward(
             float32, or float64 for float64 x).
         rstd: the ``rstd`` it returned, likewise.
         weight: the forward's weight, or None (bias does not enter the gradients).
+        weight_offset: the forward's ``weight_offset`` (``g = dy * (weight_offset + weight)``;
+            ``dweight`` is the gradient of ``weight`` itself, the same for any offset).
         normalized_shape: the forward's trailing normalized dims, as for :func:`layer_norm`.
         axis: the forward's normalized axes, as for :func:`layer_norm`.
         backend: a backend name; strict, as for :func:`layer_norm`.
@@ -281,7 +303,7 @@ def layer_norm_backward(
         NormlabError: a subclass naming the problem (a shape, dtype or device that does not
             match x, an unknown ``needs`` entry, a backend that cannot serve the call).
     """
-    args = (dy, x, mean, rstd, weight, normalized_shape, axis, needs)
+    args = (dy, x, mean, rstd, weight, normalized_shape, axis, needs, weight_offset)
     return _run(_LAYER_NORM_BACKWARD, args, backend)  # type: ignore[no-any-return]
 
 
@@ -295,6 +317,7 @@ def rms_norm_backward(
     axis: Any = None,
     backend: str | None = None,
     needs: Any = ("x", "weight"),
+    weight_offset: float = 0.0,
 ) -> tuple[Any, Any]:
     """The gradients of :func:`rms_norm`: ``(dx, dweight)`` for the upstream ``dy``.
 
@@ -304,7 +327,7 @@ def rms_norm_backward(
     dtypes and the errors are as for :func:`layer_norm_backward` (``needs``: ``"x"``,
     ``"weight"``).
     """
-    args = (dy, x, rstd, weight, normalized_shape, axis, needs)
+    args = (dy, x, rstd, weight, normalized_shape, axis, needs, weight_offset)
     return _run(_RMS_NORM_BACKWARD, args, backend)  # type: ignore[no-any-return]
 
 
@@ -346,6 +369,11 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
     try:
         choice = dispatch.choose(plan, named)
+        if call.parameters and not parameters.native(call, choice):
+            lines.append(f"  parameters: {parameters.described(call)}")
+            call = spec.validated(table, parameters.composed(call, args))
+            plan = call.plan
+            choice = dispatch.choose(plan, named)
     except NormlabError as exc:
         lines.append(f"  no choice: {exc}")
         return "\n".join(lines)

@@ -71,8 +71,9 @@ Array API standard (exposes ``__array_namespace__``, no inspector of its own).
 The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
 ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
-``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``device``, and for context
-``shape``, ``axes``, ``batch_axes`` and ``normalized_shape`` (the caller's view of the call).
+``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``weight_offset``, ``device``,
+and for context ``shape``, ``axes``, ``batch_axes`` and ``normalized_shape`` (the caller's view
+of the call).
 The rest of a Plan is the core's routing.
 """
 
@@ -113,6 +114,8 @@ CAPABILITIES: Final = frozenset(
         "inplace",  # ``out`` may be the very memory of ``x``
         "autograd",  # records torch's autograd graph itself (without it, a backend that
         # provides an op's backward op is run by the core through normlab's custom ops)
+        "weight_offset",  # applies ``plan.weight_offset`` itself: y = x̂ · (offset + weight)
+        # (without it, the core passes ``offset + weight`` as the weight, and an offset of 0)
     }
 )
 
@@ -156,6 +159,10 @@ class Plan:
     #: Fused ops (``add_layer_norm``/``add_rms_norm``): whether ``h = x + residual`` is written
     #: and returned (False: the post-norm form, ``h`` never written). False for other ops.
     return_residual: bool = False
+    #: The weight is used as ``weight_offset + weight``, formed in ``compute_dtype`` (Gemma's
+    #: RMSNorm, Transformer Engine's ``zero_centered_gamma``: 1.0). Nonzero only for a backend
+    #: that declares the capability ``"weight_offset"``; the others get the sum as the weight.
+    weight_offset: float = 0.0
 
     @property
     def has_weight(self) -> bool:
@@ -190,6 +197,7 @@ PLAN_FIELDS: Final = (
     "bias_dtype",
     "has_weight",
     "has_bias",
+    "weight_offset",
     "device",
     "shape",
     "axes",

@@ -51,9 +51,10 @@ def validated(op: Op, args: tuple[Any, ...]) -> Call:
 def arguments(op: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """The arguments of a call of the op named ``op``, in the order of ``OPS[op].arguments``:
     ``args`` in that order, then ``kwargs`` by name, the rest the op's defaults (eps: the op's
-    ``default_eps``; ``return_residual``: True; ``needs``: every gradient; others None or
-    False); an argument the op does not take may be given as None (rms_norm's bias). For tests
-    and tools; the public functions pass their arguments in order."""
+    ``default_eps``; ``return_residual``: True; ``needs``: every gradient; ``weight_offset``:
+    0.0; others None or False); an argument the op does not take may be given as None
+    (rms_norm's bias). For tests and tools; the public functions pass their arguments in
+    order."""
     table = OPS.get(op)
     if table is None:
         raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
@@ -64,6 +65,7 @@ def arguments(op: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         "return_stats": False,
         "return_residual": True,
         "needs": table.gradients,
+        "weight_offset": 0.0,
     }
     unknown = [
         name for name, value in kwargs.items() if name not in table.index and value is not None

@@ -30,7 +30,10 @@ class Call:
     of that view, or None when no such view exists (a copy, or a temporary, is needed; an output
     in non-native byte order is always written through a temporary). ``non_native`` names the
     inputs in non-native byte order; ``outputs`` the outputs the caller gave memory for
-    (``y``, ``h``, ``mean``, ``rstd``); ``needs`` the gradients a backward call asks for.
+    (``y``, ``h``, ``mean``, ``rstd``); ``needs`` the gradients a backward call asks for;
+    ``parameters`` what the core composes for a backend that does not take the parameters as
+    given (:mod:`normlab.parameters`): ``"weight_offset"`` (a nonzero offset), ``"weight"`` and
+    ``"bias"`` (a dtype other than x's, or float32 for half x).
     ``routes`` caches, per backend, how the call runs on it (:func:`normlab.route.route`).
     """
 
@@ -44,6 +47,7 @@ class Call:
     non_native: frozenset[str]
     outputs: frozenset[str] = frozenset()
     needs: frozenset[str] = frozenset()
+    parameters: frozenset[str] = frozenset()
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def given_outputs(self, args: tuple[Any, ...]) -> dict[str, Any]:

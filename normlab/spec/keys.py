@@ -33,6 +33,7 @@ _EXPRESSIONS: Final = {
     "flag": "{a} if {a} is True or {a} is False else (type({a}), {a})",
     "out": "None if {a} is None else _out_key({a})",
     "needs": "(type({a}), tuple({a}) if isinstance({a}, (tuple, list)) else {a})",
+    "number": "{a} if type({a}) is float else (type({a}), {a})",
 }
 #: The kind of each argument that is not an array.
 _KINDS: Final = {
@@ -44,6 +45,7 @@ _KINDS: Final = {
     "out": "out",
     "residual_out": "out",
     "needs": "needs",
+    "weight_offset": "number",
 }
 
 

@@ -6,7 +6,9 @@ The op table (:mod:`normlab.ops`) says which arguments an op takes and each arra
 rule applies per role: x is a floating array of at least one axis; every other x-like array
 (residual, dy) matches x's library, device, dtype and shape; statistics inputs are x's shape
 with 1 on the normalized axes, in the stats dtype; per-feature arrays (weight, bias) are of the
-normalized shape, in x's dtype or float32 for half x. Then eps, the flags, the outputs
+normalized shape, in any float dtype (backends take x's, or float32 for half x: the core
+converts the others, :mod:`normlab.parameters`), and ``weight_offset`` needs a weight. Then
+eps, the flags, the outputs
 (:mod:`normlab.spec.aliasing` owns their overlaps) and a backward call's ``needs``. Only
 reached when the call's key (:mod:`normlab.spec.keys`) is not cached.
 """
@@ -37,6 +39,10 @@ from normlab.spec.aliasing import overlaps_itself
 from normlab.spec.call import Call
 
 __all__ = ["eps_value", "row_call", "validate"]
+
+#: The dtypes a parameter may have, whatever x's (those outside x's dtype, or float32 for half
+#: x, are converted to the compute dtype by the core).
+FLOATS: Final = set(FLOAT_DTYPES)
 
 #: Calls of rows kept by :func:`row_call`.
 _ROW_CALLS: Final = 1024
@@ -70,11 +76,17 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     for name in op.stats:
         what = "x's shape with 1 on the normalized axes"
         infos[name] = _check_companion(name, given[name], xi, stats_shape, {compute}, what)
-    param_dtypes = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
+    taken = {xi.dtype, "float32"} if xi.dtype in HALF_DTYPES else {xi.dtype}
+    composed: set[str] = set()
     for name in op.per_feature:
         if given[name] is not None:
             what = "the normalized shape of x"
-            infos[name] = _check_companion(name, given[name], xi, norm_shape, param_dtypes, what)
+            infos[name] = _check_companion(name, given[name], xi, norm_shape, FLOATS, what)
+            if infos[name].dtype not in taken:
+                composed.add(name)  # converted to the compute dtype (normlab.parameters)
+    weight_offset = _weight_offset(op, given.get("weight_offset", 0.0), given.get("weight"))
+    if weight_offset:
+        composed.add("weight_offset")
     eps = _eps(op, given.get("eps"), compute)
     return_stats = given.get("return_stats", False)
     if not isinstance(return_stats, bool):
@@ -113,6 +125,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         return_stats=return_stats,
         requires_grad=requires_grad,
         return_residual=return_residual,
+        weight_offset=weight_offset,
     )
     return Call(
         op=op,
@@ -127,6 +140,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         non_native=frozenset(name for name, i in infos.items() if not i.native_byte_order),
         outputs=frozenset(outputs),
         needs=needs,
+        parameters=frozenset(composed),
     )
 
 
@@ -206,6 +220,7 @@ def _plan(
     return_stats: bool,
     requires_grad: bool,
     return_residual: bool,
+    weight_offset: float = 0.0,
 ) -> Plan:
     """The Plan of a call of ``op`` on x of ``xi`` normalized over ``axes`` (every Plan normlab
     makes is made here)."""
@@ -232,6 +247,7 @@ def _plan(
         return_stats=return_stats,
         requires_grad=requires_grad,
         return_residual=return_residual,
+        weight_offset=weight_offset,
     )
 
 
@@ -269,6 +285,28 @@ def _check_residual_arguments(return_residual: Any, residual_out: Any) -> None:
             "residual_out must be one array like x (h never goes into a tuple; the statistics "
             "go into out)"
         )
+
+
+def _weight_offset(op: Op, offset: Any, weight: Any) -> float:
+    """The call's weight offset (the weight is used as ``offset + weight``): a finite real
+    number, nonzero only with a weight; 0 for an op without one."""
+    if "weight_offset" not in op.index:
+        return 0.0
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+        raise ArgumentTypeError(
+            f"weight_offset must be a real number (the weight is used as weight_offset + "
+            f"weight), got {offset!r}"
+        )
+    value = float(offset)
+    if not math.isfinite(value):
+        raise ArgumentError(f"weight_offset must be finite, got {offset!r}")
+    if value and weight is None:
+        raise ArgumentError(
+            f"weight_offset={offset!r} was given without a weight: the offset is added to the "
+            "weight (y = x̂ · (weight_offset + weight)); pass the weight (zeros for "
+            "x̂ · weight_offset)"
+        )
+    return value
 
 
 def _eps(op: Op, eps: Any, compute: str) -> float:
