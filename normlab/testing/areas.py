@@ -17,6 +17,7 @@ AREAS: Final = (
     "out/in place",  # out=, out= with statistics, out=x
     "errors",  # every bad input raises its NormlabError subclass
     "fused",  # add_layer_norm, add_rms_norm: h bitwise, y of the rounded h, outputs, aliasing
+    "parameters",  # weight_offset, weights and biases of any float dtype, on every op
     "backward",  # the backward ops
 )
 
@@ -53,6 +54,7 @@ _BY_MODULE: Final = {
     "test_layouts": "layouts",
     "test_errors": "errors",
     "test_fused": "fused",
+    "test_parameters": "parameters",
     "test_backward": "backward",
 }
 

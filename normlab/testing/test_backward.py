@@ -488,10 +488,15 @@ BAD: Final[dict[str, tuple[type[Exception], str | None, Callable[[Subject, Args]
     "rstd-dtype": (DtypeError, None, lambda s, a: {"rstd": _ones(s, (3, 1), _other_stats(s))}),
     "rstd-foreign": (DeviceError, None, lambda s, a: {"rstd": _Foreign(np.ones((3, 1)))}),
     "weight-shape": (ShapeError, None, lambda s, a: {"weight": _ones(s, (3,))}),
-    "weight-dtype": (
+    "weight-int": (
         DtypeError,
         None,
-        lambda s, a: {"weight": _ones(s, (4,), _other(s, s.dtype))},
+        lambda s, a: {"weight": s.from_numpy(np.ones(4, np.int32))},
+    ),
+    "weight-offset-without-weight": (
+        ArgumentError,
+        None,
+        lambda s, a: {"weight": None, "weight_offset": 1.0},
     ),
     "normalized-shape": (ShapeError, None, lambda s, a: {"normalized_shape": (5,)}),
     "axis-out-of-range": (ShapeError, None, lambda s, a: {"axis": 2}),

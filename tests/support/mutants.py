@@ -82,6 +82,8 @@ FLAWS: Final = {
     "forgets_h": "add_layer_norm that returns h in a new array, leaving residual_out unwritten",
     "h_into_out": "add_layer_norm that writes h into out's memory, normalizes it there, then "
     "writes h again from x + residual (read after out, which may be x or residual, was written)",
+    "offset_in_x_dtype": "adds weight_offset to the weight in the weight's own dtype (a float16 "
+    "or bfloat16 weight: rounded there), not in the compute dtype",
 }
 
 #: The flaws proper (every one but the control).
@@ -104,6 +106,7 @@ ONLY: Final = {
     "bwd_half_sums": "half_parameter_gradients or backward_matches_reference or backward_affine",
     "torch_half_sums": "half_parameter_gradients or autograd_gradients",
     **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
+    "offset_in_x_dtype": "weight_offset",
 }
 
 #: flaw -> tests of the suite before batch invariance, float32 accuracy and 4096-row half
@@ -130,6 +133,10 @@ BACKWARD_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("bwd
 #: The flaws of the fused add_layer_norm kernel (its layer_norm is correct).
 FUSED_FLAWS: Final = frozenset({"normalize_before_rounding", "forgets_h", "h_into_out"})
 
+#: The flaws of the weight offset, which every numpy mutant applies itself (the record declares
+#: the capability ``"weight_offset"``: the suite sees the native path, not the core's).
+OFFSET_FLAWS: Final = frozenset({"offset_in_x_dtype"})
+
 #: The flaws of a torch-family mutant (normlab's torch backend with one fix undone).
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
 
@@ -153,6 +160,7 @@ def layer_norm(
     flaw: str = "control",
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """LayerNorm of the rows of the 2-D ``x`` (normlab's backend contract), with ``flaw``."""
+    weight = _offset_weight(weight, plan, flaw)
     compute = _compute_dtype(plan, flaw)
     if flaw == "naive_moments":
         compute = np.dtype(np.float32)
@@ -198,6 +206,16 @@ def layer_norm(
     if not plan.return_stats:
         return y, None, None
     return y, *_stats_of(mean, rstd, plan, flaw)
+
+
+def _offset_weight(weight: np.ndarray | None, plan: Plan, flaw: str) -> np.ndarray | None:
+    """The weight the kernels use: ``plan.weight_offset + weight`` formed in the plan's compute
+    dtype (the offset_in_x_dtype flaw: in the weight's); the weight itself without an offset."""
+    offset = plan.weight_offset
+    if weight is None or not offset:
+        return weight
+    dtype = weight.dtype if flaw == "offset_in_x_dtype" else np.dtype(plan.compute_dtype)
+    return weight.astype(dtype) + dtype.type(offset)
 
 
 def _affine(
@@ -276,6 +294,7 @@ def rms_norm(
 ) -> tuple[np.ndarray, None, np.ndarray | None]:
     """RMSNorm of the rows of the 2-D ``x``, ``x / sqrt(mean(x^2) + eps) * weight``, with
     ``flaw``."""
+    weight = _offset_weight(weight, plan, flaw)
     compute = _compute_dtype(plan, flaw)
     xc = _read(x, compute, flaw)  # a copy: out may be x's own memory
     eps = compute.type(plan.eps)
@@ -400,6 +419,7 @@ def _backward(
     ``d = x - mean`` (the residual removes the rounding of the given mean; RMSNorm: ``d = x``),
     ``g = dy * weight``, ``dx = rstd * (g - mean(g) - x̂ * mean(g * x̂))`` (RMSNorm: no
     ``mean(g)``), ``dweight = Σ dy * x̂``, ``dbias = Σ dy``; row sums in the compute dtype."""
+    weight = _offset_weight(weight, plan, flaw)
     compute = np.dtype(plan.compute_dtype)
     r = rstd.astype(compute)[:, None]
     if flaw == "bwd_recomputed_stats":
@@ -489,7 +509,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
     if flaw in TORCH_FLAWS:
         return _torch_plugin(module, flaw, **record_fields)
-    if flaw in BACKWARD_FLAWS | {"control"}:
+    if flaw in BACKWARD_FLAWS | OFFSET_FLAWS | {"control"}:
         ops = _ALL_OPS
     elif flaw in FUSED_FLAWS:
         ops = frozenset({"layer_norm", "add_layer_norm"})
@@ -503,7 +523,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         ops=ops,
         priority=-100,  # never chosen unless named
-        capabilities=frozenset({"strided", "out", "inplace"}),
+        capabilities=frozenset({"strided", "out", "inplace", "weight_offset"}),
         # the library whose thread count the suite varies (bwd_thread_chunks follows it)
         library="numba" if flaw == "bwd_thread_chunks" else None,
         description=f"a mutant for the suite's teeth: {FLAWS[flaw]}",
