@@ -61,6 +61,7 @@ def test_layer_norm_signature() -> None:
         ("backend", P.KEYWORD_ONLY, None),
         ("return_stats", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
+        ("weight_offset", P.KEYWORD_ONLY, 0.0),
     ]
     assert [(p.name, p.kind, p.default) for p in params.values()] == expected
 

@@ -541,12 +541,14 @@ def test_public_signatures() -> None:
 
     params = inspect.signature(normlab.layer_norm_backward).parameters
     assert list(params) == [
-        "dy", "x", "mean", "rstd", "weight", "normalized_shape", "axis", "backend", "needs"
+        "dy", "x", "mean", "rstd", "weight", "normalized_shape", "axis", "backend", "needs",
+        "weight_offset",
     ]  # fmt: skip
     assert params["needs"].default == ("x", "weight", "bias")
     params = inspect.signature(normlab.rms_norm_backward).parameters
     assert list(params) == [
-        "dy", "x", "rstd", "weight", "normalized_shape", "axis", "backend", "needs"
+        "dy", "x", "rstd", "weight", "normalized_shape", "axis", "backend", "needs",
+        "weight_offset",
     ]  # fmt: skip
     assert params["needs"].default == ("x", "weight")
     assert {"layer_norm_backward", "rms_norm_backward"} <= set(normlab.__all__)
@@ -584,7 +586,7 @@ BAD_CALLS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
     "rstd-dtype": (_lnb(rstd=RSTD.astype(np.float16)), normlab.DtypeError, "rstd has dtype"),
     "rstd-shape": (_lnb(rstd=RSTD[:1]), normlab.ShapeError, "rstd has shape"),
     "weight-shape": (_lnb(weight=W[:3]), normlab.ShapeError, "weight has shape"),
-    "weight-dtype": (_lnb(weight=W.astype(np.float64)), normlab.DtypeError, "weight has dtype"),
+    "weight-int": (_lnb(weight=W.astype(np.int32)), normlab.DtypeError, "weight has dtype int32"),
     "x-int": (_lnb(x=X.astype(np.int32), dy=DY.astype(np.int32)), normlab.DtypeError, "int32"),
     "x-0d": (_lnb(x=np.float32(1.0)), normlab.ShapeError, "0-d"),
     "normalized_shape": (_lnb(normalized_shape=(5,)), normlab.ShapeError, r"\(5,\)"),

@@ -1,0 +1,138 @@
+"""The core's composition of parameters (normlab.parameters): an offset weight and parameters of
+any float dtype, as the default call and the named backends see them, and the native path of a
+backend that declares the capability ``"weight_offset"``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import normlab
+from normlab.hookspecs import Plan
+from normlab.testing.bitwise import same_bits
+from tests.support import mutants
+
+ROWS, COLS = 48, 200
+
+
+def _x(dtype: Any = np.float32, rows: int = ROWS, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, COLS)) * 2 + 1).astype(dtype)
+
+
+def _weight(dtype: Any = np.float32) -> np.ndarray:
+    return (0.1 * np.random.default_rng(1).standard_normal(COLS)).astype(dtype)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("backend", [None, "numpy"])
+def test_offset_is_added_in_the_compute_dtype(op: str, backend: str | None) -> None:
+    """bfloat16 x and weight: ``1 + w`` needs more bits than bfloat16 has; the call's bits are
+    those of the float32 weight ``1 + float32(w)``, and differ from a bfloat16 sum's."""
+    x, w = _x(ml_dtypes.bfloat16), _weight(ml_dtypes.bfloat16)
+    function = getattr(normlab, op)
+    got = function(x, weight=w, weight_offset=1.0, backend=backend)
+    formed = function(x, weight=w.astype(np.float32) + np.float32(1), backend=backend)
+    rounded = function(x, weight=w + ml_dtypes.bfloat16(1), backend=backend)
+    assert same_bits(got, formed)
+    assert not same_bits(got, rounded)
+
+
+def test_the_default_call_is_batch_invariant_with_composed_parameters() -> None:
+    """A row's bits alone and in its batch, with an offset and a weight of another dtype."""
+    x = _x(np.float32, rows=1024)
+    kwargs = {"weight": _weight(ml_dtypes.bfloat16), "weight_offset": 1.0}
+    whole = normlab.rms_norm(x, **kwargs)
+    for rows in (1, 7, 64, 300):
+        part = normlab.rms_norm(x[:rows], **kwargs)
+        assert same_bits(part, whole[:rows]), rows
+
+
+def test_parameters_are_read_afresh_and_never_modified() -> None:
+    """Nothing is cached across calls (a NumPy weight changed in place is seen), and the
+    caller's parameters keep their bits."""
+    x, w = _x(), _weight(np.float64)
+    before = w.copy()
+    first = normlab.layer_norm(x, weight=w, weight_offset=1.0)
+    assert same_bits(w, before)
+    w *= 2
+    second = normlab.layer_norm(x, weight=w, weight_offset=1.0)
+    want = normlab.layer_norm(x, weight=w.astype(np.float32) + np.float32(1))
+    assert same_bits(second, want) and not same_bits(second, first)
+
+
+def test_strided_and_non_native_parameters() -> None:
+    """A weight viewed with a stride and a bias in non-native byte order are converted like
+    any other."""
+    x = _x()
+    w = np.repeat(_weight(np.float64), 2)[::2]
+    b = _weight(np.float64).astype(">f8")
+    got = normlab.layer_norm(x, weight=w, bias=b, weight_offset=0.5)
+    want = normlab.layer_norm(
+        x, weight=w.astype(np.float32) + np.float32(0.5), bias=b.astype(np.float32)
+    )
+    assert same_bits(got, want)
+
+
+def test_backward_gradients_in_the_weights_dtype() -> None:
+    """The backward ops give dweight (and dbias) in the weight's dtype; dx uses the offset."""
+    x, dy = _x(), _x(seed=3)
+    w = _weight(ml_dtypes.bfloat16)
+    _, mean, rstd = normlab.layer_norm(x, return_stats=True)
+    dx, dw, db = normlab.layer_norm_backward(dy, x, mean, rstd, w, weight_offset=1.0)
+    assert (dx.dtype, dw.dtype, db.dtype) == (np.float32, w.dtype, w.dtype)
+    formed = w.astype(np.float32) + np.float32(1)
+    want = normlab.layer_norm_backward(dy, x, mean, rstd, formed)
+    assert same_bits(dx, want[0])
+    assert same_bits(dw, want[1].astype(w.dtype))
+
+
+def test_explain_says_the_core_forms_the_parameters() -> None:
+    text = normlab.explain(_x(), weight=_weight(ml_dtypes.bfloat16), weight_offset=1.0)
+    assert "parameters: the core forms weight_offset + weight (1.0 + bfloat16) in float32" in text
+
+
+def test_a_backend_declaring_the_capability_gets_the_offset() -> None:
+    """A backend whose record declares ``"weight_offset"`` receives the caller's weight and
+    ``plan.weight_offset``; one that does not receives the formed weight and an offset of 0."""
+    seen: list[tuple[float, Any]] = []
+    x, w = _x(), _weight()
+    with mutants.registered("control") as name:
+        module = mutants.sys.modules[f"{mutants.__name__}.control"]
+        kernel = module.layer_norm
+
+        def spy(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> Any:
+            seen.append((plan.weight_offset, weight))
+            return kernel(x, weight, bias, plan=plan, out=out)
+
+        module.layer_norm = spy
+        native = normlab.layer_norm(x, weight=w, weight_offset=1.0, backend=name)
+    assert seen[0][0] == 1.0 and seen[0][1] is w
+    formed = normlab.layer_norm(x, weight=w, weight_offset=1.0, backend="numpy")
+    np.testing.assert_allclose(native, formed, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"weight_offset": 1.0}, normlab.ArgumentError, "without a weight"),
+        ({"weight": "w", "weight_offset": float("inf")}, normlab.ArgumentError, "finite"),
+        ({"weight": "w", "weight_offset": True}, normlab.ArgumentTypeError, "real number"),
+        ({"weight": "w", "weight_offset": np.ones(1)}, normlab.ArgumentTypeError, "real number"),
+    ],
+)
+def test_bad_offsets(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    if kwargs.get("weight") == "w":
+        kwargs = {**kwargs, "weight": _weight()}
+    for op in ("layer_norm", "rms_norm"):
+        with pytest.raises(error, match=message):
+            getattr(normlab, op)(_x(), **kwargs)
+
+
+def test_an_offset_of_zero_is_the_plain_call() -> None:
+    """``weight_offset=0`` (int or float) without a weight is allowed: the textbook call."""
+    x = _x()
+    assert same_bits(normlab.layer_norm(x, weight_offset=0), normlab.layer_norm(x))
