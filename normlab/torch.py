@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 # The modules call normlab through these functions, which torch.compile keeps as single
 # nodes (allow_in_graph): dynamo does not trace normlab's validation and dispatch, and
 # AOTAutograd runs them on fake tensors, which reach the custom ops above (or torch's own
-# ops). The route is fixed when a graph is compiled. ``eps`` may arrive as a symbolic float.
+# ops). The route is fixed when a graph is compiled. ``eps`` and ``weight_offset`` may arrive
+# as symbolic floats.
 # Dynamo matches these functions by identity: they are registered when a module is built.
 
 
@@ -54,8 +55,12 @@ def _layer_norm_node(
     bias: Tensor | None,
     eps: float,
     backend: str | None,
+    weight_offset: float = 0.0,
 ) -> Tensor:
-    y: Tensor = normlab.layer_norm(x, normalized_shape, weight, bias, float(eps), backend=backend)
+    y: Tensor = normlab.layer_norm(
+        x, normalized_shape, weight, bias, float(eps), backend=backend,
+        weight_offset=float(weight_offset),
+    )  # fmt: skip
     return y
 
 
@@ -65,9 +70,12 @@ def _rms_norm_node(
     weight: Tensor | None,
     eps: float | None,
     backend: str | None,
+    weight_offset: float = 0.0,
 ) -> Tensor:
     eps_value = None if eps is None else float(eps)
-    y: Tensor = normlab.rms_norm(x, normalized_shape, weight, eps_value, backend=backend)
+    y: Tensor = normlab.rms_norm(
+        x, normalized_shape, weight, eps_value, backend=backend, weight_offset=float(weight_offset)
+    )
     return y
 
 
@@ -79,10 +87,12 @@ def _add_layer_norm_node(
     bias: Tensor | None,
     eps: float,
     backend: str | None,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     y, h = normlab.add_layer_norm(
-        x, residual, normalized_shape, weight, bias, float(eps), backend=backend
-    )
+        x, residual, normalized_shape, weight, bias, float(eps), backend=backend,
+        weight_offset=float(weight_offset),
+    )  # fmt: skip
     return y, h
 
 
@@ -93,9 +103,13 @@ def _add_rms_norm_node(
     weight: Tensor | None,
     eps: float | None,
     backend: str | None,
+    weight_offset: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     eps_value = None if eps is None else float(eps)
-    y, h = normlab.add_rms_norm(x, residual, normalized_shape, weight, eps_value, backend=backend)
+    y, h = normlab.add_rms_norm(
+        x, residual, normalized_shape, weight, eps_value, backend=backend,
+        weight_offset=float(weight_offset),
+    )  # fmt: skip
     return y, h
 
 
@@ -113,13 +127,48 @@ def _allow_nodes_in_graph() -> None:
         torch.compiler.allow_in_graph(node)  # type: ignore[no-untyped-call]
 
 
+def _configure(module: Any, backend: str | None, weight_offset: float) -> None:
+    """The normlab options of a module built by torch's constructor: the backend (checked by
+    name) and the weight offset (which needs a weight; the weight is initialized again for it)."""
+    if backend is not None:
+        registry.get(backend)
+    if weight_offset and module.weight is None:
+        raise normlab.ArgumentError(
+            f"weight_offset={weight_offset!r} needs a weight: elementwise_affine=False has none"
+        )
+    module.backend = backend
+    module.weight_offset = float(weight_offset)
+    _offset_initialization(module)
+    _allow_nodes_in_graph()
+
+
+def _offset_initialization(module: Any) -> None:
+    """A weight used as ``weight_offset + weight`` starts at ``1 - weight_offset`` (torch's
+    constructor calls ``reset_parameters`` before the offset is set: it is 0 then)."""
+    offset = getattr(module, "weight_offset", 0.0)
+    if offset and module.weight is not None:
+        with torch.no_grad():
+            module.weight.fill_(1.0 - offset)
+
+
+def _extra_repr(module: Any, torch_repr: str) -> str:
+    offset = f", weight_offset={module.weight_offset!r}" if module.weight_offset else ""
+    return f"{torch_repr}, backend={module.backend!r}{offset}"
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` computed by :func:`normlab.layer_norm`.
 
     The constructor, parameters and ``state_dict`` keys are those of ``torch.nn.LayerNorm``;
     ``backend`` (keyword only) names the normlab backend, strictly as ``backend=`` does, or
-    None to let normlab choose (``normlab.use_backend`` applies).
+    None to let normlab choose (``normlab.use_backend`` applies). ``weight_offset`` (keyword
+    only): the weight is used as ``weight_offset + weight`` (:func:`normlab.layer_norm`), and is
+    initialized to ``1 - weight_offset`` (zeros for 1, as Gemma's and Transformer Engine's
+    zero-centered weights), so that a new module scales by 1.
     """
+
+    backend: str | None
+    weight_offset: float
 
     def __init__(
         self,
@@ -131,29 +180,40 @@ class LayerNorm(torch.nn.LayerNorm):
         dtype: Any = None,
         *,
         backend: str | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        if backend is not None:
-            registry.get(backend)
-        self.backend = backend
-        _allow_nodes_in_graph()
+        _configure(self, backend, weight_offset)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        _offset_initialization(self)
 
     def forward(self, input: Tensor) -> Tensor:
         if _jit_tracing():  # torch.jit.trace records torch's ops: its own module's
-            return super().forward(input)
+            if not self.weight_offset:
+                return super().forward(input)
+            weight = self.weight + self.weight_offset  # torch's own arithmetic, as the module's
+            return torch.nn.functional.layer_norm(
+                input, self.normalized_shape, weight, self.bias, self.eps
+            )
         return _layer_norm_node(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
-        )
+            input, self.normalized_shape, self.weight, self.bias, self.eps, self.backend,
+            self.weight_offset,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, backend={self.backend!r}"
+        return _extra_repr(self, super().extra_repr())
 
 
 class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by :func:`normlab.rms_norm` (``eps=None``: the machine
     epsilon of the compute dtype, float32's for half input, as torch); constructor,
-    parameters and ``state_dict`` as ``torch.nn.RMSNorm``, plus ``backend`` as for
-    :class:`LayerNorm`."""
+    parameters and ``state_dict`` as ``torch.nn.RMSNorm``, plus ``backend`` and
+    ``weight_offset`` as for :class:`LayerNorm` (``weight_offset=1.0``: Gemma's RMSNorm)."""
+
+    backend: str | None
+    weight_offset: float
 
     def __init__(
         self,
@@ -164,20 +224,27 @@ class RMSNorm(torch.nn.RMSNorm):
         dtype: Any = None,
         *,
         backend: str | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        if backend is not None:
-            registry.get(backend)
-        self.backend = backend
-        _allow_nodes_in_graph()
+        _configure(self, backend, weight_offset)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        _offset_initialization(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if _jit_tracing():  # torch.jit.trace records torch's ops: its own module's
-            return super().forward(x)
-        return _rms_norm_node(x, self.normalized_shape, self.weight, self.eps, self.backend)
+            if not self.weight_offset:
+                return super().forward(x)
+            weight = self.weight + self.weight_offset  # torch's own arithmetic, as the module's
+            return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
+        return _rms_norm_node(
+            x, self.normalized_shape, self.weight, self.eps, self.backend, self.weight_offset
+        )
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, backend={self.backend!r}"
+        return _extra_repr(self, super().extra_repr())
 
 
 class AddLayerNorm(LayerNorm):
@@ -194,8 +261,9 @@ class AddLayerNorm(LayerNorm):
             h = x + residual
             return super().forward(h), h
         return _add_layer_norm_node(
-            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.backend
-        )
+            x, residual, self.normalized_shape, self.weight, self.bias, self.eps, self.backend,
+            self.weight_offset,
+        )  # fmt: skip
 
 
 class AddRMSNorm(RMSNorm):
@@ -209,8 +277,9 @@ class AddRMSNorm(RMSNorm):
             h = x + residual
             return super().forward(h), h
         return _add_rms_norm_node(
-            x, residual, self.normalized_shape, self.weight, self.eps, self.backend
-        )
+            x, residual, self.normalized_shape, self.weight, self.eps, self.backend,
+            self.weight_offset,
+        )  # fmt: skip
 
 
 def replace_layer_norms(model: torch.nn.Module, backend: str | None = None) -> torch.nn.Module:

@@ -105,10 +105,11 @@ def test_normlab_torch_does_not_shadow_torch() -> None:
 def test_constructor_mirrors_torch(ours: str, theirs: str) -> None:
     mine = inspect.signature(getattr(nt, ours)).parameters
     stock = inspect.signature(getattr(torch.nn, theirs)).parameters
+    ours_only = ("backend", "weight_offset")
     assert [(p.name, p.default) for p in stock.values()] == [
-        (p.name, p.default) for p in mine.values() if p.name != "backend"
+        (p.name, p.default) for p in mine.values() if p.name not in ours_only
     ]
-    assert mine["backend"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert all(mine[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ours_only)
 
 
 def test_unknown_backend_is_refused_at_construction() -> None:
@@ -418,3 +419,48 @@ def test_minilm_with_numba_layer_norms(minilm: tuple[Any, dict[str, Any]]) -> No
         assert math.isfinite(our_error) and our_error <= allowed, (
             f"{name}: normlab error {our_error:.3g}, torch error {torch_error:.3g} (norms)"
         )
+
+
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+def test_weight_offset_module(backend: str | None, module: str) -> None:
+    """``weight_offset=1.0`` (Gemma): the weight starts at zeros (a scale of 1), is used as
+    ``1 + weight``, keeps torch's ``state_dict`` keys, and gets its gradient."""
+    ours = getattr(nt, module)(16, backend=backend, weight_offset=1.0)
+    stock = getattr(torch.nn, module)(16)
+    assert not ours.weight.any() and ours.state_dict().keys() == stock.state_dict().keys()
+    assert "weight_offset=1.0" in repr(ours)
+    with torch.no_grad():
+        ours.weight.copy_(0.1 * torch.randn(16))
+        stock.weight.copy_(1 + ours.weight)
+    x = torch.randn(3, 5, 16)
+    y = ours(x)
+    torch.testing.assert_close(y, stock(x), rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    stock(x).sum().backward()
+    assert ours.weight.grad is not None
+    torch.testing.assert_close(ours.weight.grad, stock.weight.grad, rtol=1e-4, atol=1e-4)
+    ours.reset_parameters()
+    assert not ours.weight.any()
+
+
+def test_weight_offset_needs_a_weight() -> None:
+    with pytest.raises(normlab.ArgumentError, match="needs a weight"):
+        nt.RMSNorm(8, elementwise_affine=False, weight_offset=1.0)
+
+
+def test_weight_offset_under_torch_compile() -> None:
+    model = nt.RMSNorm(16, weight_offset=1.0)
+    with torch.no_grad():
+        model.weight.copy_(0.1 * torch.randn(16))
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(torch.compile(model)(x), model(x))
+
+
+def test_weight_offset_under_jit_trace() -> None:
+    """torch.jit.trace records torch's own ops, with ``weight_offset + weight`` as the weight."""
+    model = nt.LayerNorm(16, weight_offset=1.0)
+    with torch.no_grad():
+        model.weight.copy_(0.1 * torch.randn(16))
+    x = torch.randn(4, 16)
+    traced = torch.jit.trace(model, x)
+    torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
