@@ -9,7 +9,17 @@ import operator
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import arrays, autograd, composition, dispatch, parameters, registry, route, spec
+from normlab import (
+    arrays,
+    autograd,
+    composition,
+    dispatch,
+    parameters,
+    registry,
+    residual_stream,
+    route,
+    spec,
+)
 from normlab.errors import ArgumentError, NormlabError
 from normlab.ops import OPS, Op
 
@@ -57,8 +67,11 @@ def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
     """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run.
     Parameters the chosen backend does not take as given (an offset, another dtype) are formed
     by the core first (:mod:`normlab.parameters`), and the call validated and chosen again for
-    them; a fused op that no able backend provides, or an empty one, is composed by the core."""
+    them; a fused op that no able backend provides, or an empty one, is composed by the core,
+    as one on a float32 residual stream beside half x (:mod:`normlab.residual_stream`)."""
     call = spec.validated(op, args)
+    if call.residual_stream:  # a float32 residual beside half x: the core's, on any backend
+        return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
     plan = call.plan
     choice = dispatch.choose(plan, named)
     given = args
@@ -367,6 +380,14 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     )
     preference = dispatch.current_preference()
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
+    if call.residual_stream:
+        lines.append(
+            f"  residual stream: residual is float32 beside {plan.dtype} x; the core adds "
+            f"float32(x) + residual in float32 with x's library, runs {table.base} of that h as "
+            f"a call of its own (explain(h, op={table.base!r}) shows its choice) and rounds y "
+            "to x's dtype"
+        )
+        return "\n".join(lines)
     try:
         choice = dispatch.choose(plan, named)
         if call.parameters and not parameters.native(call, choice):

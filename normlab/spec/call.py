@@ -33,7 +33,8 @@ class Call:
     (``y``, ``h``, ``mean``, ``rstd``); ``needs`` the gradients a backward call asks for;
     ``parameters`` what the core composes for a backend that does not take the parameters as
     given (:mod:`normlab.parameters`): ``"weight_offset"`` (a nonzero offset), ``"weight"`` and
-    ``"bias"`` (a dtype other than x's, or float32 for half x).
+    ``"bias"`` (a dtype other than x's, or float32 for half x); ``residual_stream`` that a fused
+    op's residual is a float32 stream beside half x (:mod:`normlab.residual_stream`).
     ``routes`` caches, per backend, how the call runs on it (:func:`normlab.route.route`).
     """
 
@@ -48,6 +49,7 @@ class Call:
     outputs: frozenset[str] = frozenset()
     needs: frozenset[str] = frozenset()
     parameters: frozenset[str] = frozenset()
+    residual_stream: bool = False
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def given_outputs(self, args: tuple[Any, ...]) -> dict[str, Any]:

@@ -4,12 +4,13 @@ NormlabError` subclass naming the values involved.
 
 The op table (:mod:`normlab.ops`) says which arguments an op takes and each array's role; one
 rule applies per role: x is a floating array of at least one axis; every other x-like array
-(residual, dy) matches x's library, device, dtype and shape; statistics inputs are x's shape
-with 1 on the normalized axes, in the stats dtype; per-feature arrays (weight, bias) are of the
-normalized shape, in any float dtype (backends take x's, or float32 for half x: the core
-converts the others, :mod:`normlab.parameters`), and ``weight_offset`` needs a weight. Then
-eps, the flags, the outputs
-(:mod:`normlab.spec.aliasing` owns their overlaps) and a backward call's ``needs``. Only
+(residual, dy) matches x's library, device, dtype and shape (a fused op's residual may also be
+float32 beside float16/bfloat16 x: a float32 residual stream, whose ``residual_out`` is float32
+too, :mod:`normlab.residual_stream`); statistics inputs are x's shape with 1 on the normalized
+axes, in the stats dtype; per-feature arrays (weight, bias) are of the normalized shape, in any
+float dtype (backends take x's, or float32 for half x: the core converts the others,
+:mod:`normlab.parameters`), and ``weight_offset`` needs a weight. Then eps, the flags, the
+outputs (:mod:`normlab.spec.aliasing` owns their overlaps) and a backward call's ``needs``. Only
 reached when the call's key (:mod:`normlab.spec.keys`) is not cached.
 """
 
@@ -72,7 +73,11 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     stats_shape = tuple(1 if a in axes else n for a, n in enumerate(xi.shape))
     infos = {"x": xi}
     for name in (n for n in op.like_x if n != "x"):
-        infos[name] = _check_companion(name, given[name], xi, xi.shape, {xi.dtype}, "x's shape")
+        # a fused op's residual may be a float32 stream beside half x (normlab.residual_stream)
+        stream = name == "residual" and xi.dtype in HALF_DTYPES
+        dtypes = {xi.dtype, "float32"} if stream else {xi.dtype}
+        infos[name] = _check_companion(name, given[name], xi, xi.shape, dtypes, "x's shape")
+    h_dtype = infos["residual"].dtype if "residual" in infos else xi.dtype
     for name in op.stats:
         what = "x's shape with 1 on the normalized axes"
         infos[name] = _check_companion(name, given[name], xi, stats_shape, {compute}, what)
@@ -106,7 +111,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     }
     outputs = _check_out(op, out, xi, return_stats, stats_shape, compute)
     if residual_out is not None:
-        outputs["h"] = _check_out_array("residual_out", residual_out, xi, xi.shape, xi.dtype)
+        outputs["h"] = _check_out_array("residual_out", residual_out, xi, xi.shape, h_dtype)
     for name in ("y", "h"):
         oi = outputs.get(name)
         if oi is not None:  # written through a temporary in non-native byte order
@@ -141,6 +146,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         outputs=frozenset(outputs),
         needs=needs,
         parameters=frozenset(composed),
+        residual_stream=h_dtype != xi.dtype,
     )
 
 

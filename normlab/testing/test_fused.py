@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 
 import normlab
-from normlab import ArgumentError
+from normlab import ArgumentError, reference
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES
 from normlab.ops import OPS
 from normlab.testing.backward_cases import BackwardCase
@@ -29,6 +29,7 @@ from normlab.testing.conversions import arrange, numpy_dtype
 from normlab.testing.fused_cases import FUSED_OPS, FusedCase, assert_same_bits
 from normlab.testing.strategies import fused_cases
 from normlab.testing.subject import Subject
+from normlab.testing.tolerances import assert_close, conditioning, y_scale
 
 #: The fused ops, and each one's base op.
 FUSED: Final = tuple(FUSED_OPS.values())
@@ -454,3 +455,80 @@ def test_fused_autograd(normlab_subject: Subject, op: str, dtype: str) -> None:
         assert dresidual is not None
         backward.compare(grads, backend=s.name, x=case.h(), repro=repro)
         backward.compare({"x": dresidual}, backend=s.name, x=case.h(), repro=repro)
+
+
+# --------------------------------------------------------------------------------------------
+# A float32 residual stream beside half x
+
+
+@pytest.mark.parametrize("form", ["allocated", "in place", "post-norm"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("base", list(FUSED_OPS))
+def test_float32_residual_stream(
+    normlab_subject: Subject, base: str, dtype: str, form: str
+) -> None:
+    """``residual`` float32 beside float16/bfloat16 x (flash-attention's ``residual_in_fp32``):
+    ``h = float32(x) + residual`` bitwise, kept in float32; ``y`` in x's dtype is the norm of
+    that unrounded ``h`` (against the float64 reference of h), the statistics float32 as well;
+    in place (``out=x, residual_out=residual``) and the post-norm form give the same bits; a
+    row's bits alone and in the batch."""
+    s = normlab_subject
+    op = FUSED_OPS[base]
+    s.require_fused(op)
+    s.require_dtype(dtype)
+    s.require_dtype("float32")
+    if form == "in place":
+        s.require_writable()
+    rng = np.random.default_rng(21)
+    rows, cols = 41, 320
+    offsets = rng.normal(0, 4, (rows, 1))
+    x = (rng.standard_normal((rows, cols)) + offsets).astype(numpy_dtype(dtype))
+    residual = (100 * rng.standard_normal((rows, cols)) + offsets).astype(np.float32)
+    weight = rng.standard_normal(cols).astype(numpy_dtype(dtype))
+    bias = rng.standard_normal(cols).astype(np.float32)
+    kwargs: dict[str, Any] = {"weight": s.from_numpy(weight), "return_stats": True}
+    if base == "layer_norm":
+        kwargs["bias"] = s.from_numpy(bias)
+    function = getattr(normlab, op)
+    repro = (
+        f"reproduce: normlab.{op}(x, residual, ...) with {rows}x{cols} {dtype} x and float32 "
+        f"residual ({form}), backend={s.backend!r}"
+    )
+
+    def call(rows_taken: slice, form: str) -> tuple[np.ndarray, np.ndarray | None, list[Any]]:
+        xs, rs = (s.from_numpy(a[rows_taken].copy()) for a in (x, residual))
+        if form == "in place":
+            result = function(xs, rs, out=xs, residual_out=rs, backend=s.backend, **kwargs)
+        elif form == "post-norm":
+            result = function(xs, rs, return_residual=False, backend=s.backend, **kwargs)
+            result = (result[0], None, *result[1:])
+        else:
+            result = function(xs, rs, backend=s.backend, **kwargs)
+        y, h, *stats = (None if r is None else s.to_numpy(r) for r in result)
+        return y, h, stats
+
+    y, h, stats = call(slice(None), form)
+    want_h = x.astype(np.float32) + residual
+    if h is not None:
+        assert h.dtype == np.float32, f"h is {h.dtype}, not float32\n{repro}"
+        assert same_bits(h, want_h), f"h differs from float32(x) + residual\n{repro}"
+    assert y.dtype == numpy_dtype(dtype), f"y is {y.dtype}, not x's {dtype}\n{repro}"
+    if base == "layer_norm":
+        y_ref, mean_ref, rstd_ref = reference.layer_norm(want_h, weight=weight, bias=bias)
+        cond = conditioning(mean_ref, rstd_ref)
+        scale = y_scale(base, (want_h - mean_ref) * rstd_ref, weight, bias)
+        refs = {"mean": mean_ref, "rstd": rstd_ref}
+    else:
+        y_ref, rstd_ref = reference.rms_norm(want_h, weight=weight)
+        cond = conditioning(None, rstd_ref)
+        scale = y_scale(base, want_h * rstd_ref, weight)
+        refs = {"rstd": rstd_ref}
+    assert_close(y, y_ref, dtype, cond, what="y", cols=cols, scale=scale, repro=repro)
+    for (name, ref), got in zip(refs.items(), stats, strict=True):
+        assert got.dtype == np.float32, f"{name} is {got.dtype}, not float32\n{repro}"
+        assert_close(got, ref, "float32", cond, what=name, cols=cols, repro=repro)
+    if form != "allocated":
+        y_allocated = call(slice(None), "allocated")[0]
+        assert same_bits(y, y_allocated), f"y {form} differs from the allocating call's\n{repro}"
+    alone = call(slice(5, 12), form)
+    assert same_bits(alone[0], y[5:12]), f"rows 5..11 alone give other bits of y\n{repro}"

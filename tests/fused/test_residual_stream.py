@@ -1,0 +1,67 @@
+"""The fused ops on a float32 residual stream beside half x (normlab.residual_stream): what the
+core checks, autograd through it, and explain()."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import normlab
+from normlab.testing.bitwise import same_bits
+
+
+def _pair(dtype: object = np.float16, rows: int = 6, cols: int = 32) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((rows, cols)).astype(dtype)
+    return x, (50 * rng.standard_normal((rows, cols))).astype(np.float32)
+
+
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+def test_a_half_residual_beside_float32_x_is_refused(op: str) -> None:
+    """The reverse stream (x float32, residual half) is no form a model uses."""
+    x, residual = _pair()
+    with pytest.raises(normlab.DtypeError, match="residual has dtype float16; it must be float32"):
+        getattr(normlab, op)(residual, x)
+
+
+def test_residual_out_takes_the_streams_dtype() -> None:
+    x, residual = _pair(ml_dtypes.bfloat16)
+    with pytest.raises(normlab.DtypeError, match="residual_out has dtype bfloat16"):
+        normlab.add_layer_norm(x, residual, residual_out=np.empty_like(x))
+    with pytest.raises(normlab.DtypeError, match="out has dtype float32"):
+        normlab.add_layer_norm(x, residual, out=np.empty_like(residual))
+
+
+def test_inputs_are_not_modified() -> None:
+    x, residual = _pair()
+    copies = x.copy(), residual.copy()
+    normlab.add_rms_norm(x, residual, weight=np.ones(32, np.float16))
+    assert same_bits(x, copies[0]) and same_bits(residual, copies[1])
+
+
+def test_explain_names_the_stream() -> None:
+    x, residual = _pair()
+    assert "residual stream" in normlab.explain(x, residual, op="add_layer_norm")
+
+
+def test_torch_gradients_through_the_stream() -> None:
+    """x's gradient in x's dtype, the stream's in float32, the weight's in its own; as torch's
+    own float32 add and norm would give them."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=gen).to(torch.bfloat16).requires_grad_()
+    residual = (10 * torch.randn(16, 64, generator=gen)).requires_grad_()
+    weight = torch.randn(64, generator=gen).to(torch.bfloat16).requires_grad_()
+    y, h = normlab.add_rms_norm(x, residual, weight=weight, weight_offset=1.0)
+    assert (y.dtype, h.dtype) == (torch.bfloat16, torch.float32)
+    dy = torch.randn(16, 64, generator=gen)
+    ((y.float() * dy).sum() + h.sum()).backward()
+    grads = [t.grad for t in (x, residual, weight)]
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    x2, r2, w2 = (t.detach().double().requires_grad_() for t in (x, residual, weight))
+    h2 = x2 + r2
+    y2 = torch.nn.functional.rms_norm(h2, (64,), 1 + w2, eps=float(np.finfo(np.float32).eps))
+    ((y2 * dy.double()).sum() + h2.sum()).backward()
+    for got, want in zip(grads, (x2.grad, r2.grad, w2.grad), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
