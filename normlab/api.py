@@ -12,6 +12,7 @@ from typing import Any, Final
 from normlab import (
     arrays,
     autograd,
+    casting,
     composition,
     dispatch,
     parameters,
@@ -70,6 +71,8 @@ def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
     them; a fused op that no able backend provides, or an empty one, is composed by the core,
     as one on a float32 residual stream beside half x (:mod:`normlab.residual_stream`)."""
     call = spec.validated(op, args)
+    if call.casting != "exact":  # RMSNorm rounding x̂ before the weight multiply: the core's
+        return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
     if call.residual_stream:  # a float32 residual beside half x: the core's, on any backend
         return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
     plan = call.plan
@@ -166,6 +169,7 @@ def rms_norm(
     return_stats: bool = False,
     out: Any = None,
     weight_offset: float = 0.0,
+    casting: str = "exact",
 ) -> Any:
     """RMS normalization: ``y = x / sqrt(mean(x^2) + eps) * weight``.
 
@@ -176,6 +180,14 @@ def rms_norm(
     float16/bfloat16 accumulate in float32, so the sum of squares cannot overflow. ``weight``
     (any float dtype) and ``weight_offset`` are as for :func:`layer_norm`.
 
+    ``casting`` is where y is rounded relative to the weight multiply: ``"exact"`` (the
+    contract: ``x̂ · weight`` in the compute dtype, rounded once to x's dtype; Gemma's order),
+    ``"llama"`` (x̂ rounded to x's dtype, then ``weight * x̂`` in torch's promotion of the two
+    dtypes: HF Llama, Mistral, Qwen2) or ``"t5"`` (x̂ rounded to the weight's dtype when that is
+    half, then the multiply: HF T5). With a composed order y's dtype is that promotion (a
+    float32 weight beside bfloat16 x gives float32 y), ``out`` must have it, and no
+    ``weight_offset`` is taken; see docs/conventions.md.
+
     Returns:
         ``y`` (same array type, device, shape and dtype as ``x``), or ``(y, rstd)`` with
         ``return_stats=True``: ``rstd = 1/sqrt(mean(x^2) + eps)`` keepdims-shaped, float32
@@ -184,7 +196,7 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    args = (x, normalized_shape, weight, eps, axis, return_stats, out, weight_offset)
+    args = (x, normalized_shape, weight, eps, axis, return_stats, out, weight_offset, casting)
     return _run(_RMS_NORM, args, backend)
 
 
@@ -259,16 +271,18 @@ def add_rms_norm(
     out: Any = None,
     residual_out: Any = None,
     weight_offset: float = 0.0,
+    casting: str = "exact",
 ) -> Any:
     """Residual add fused with RMS normalization: ``h = x + residual``, ``y = rms_norm(h)``.
 
     As :func:`add_layer_norm`, with :func:`rms_norm`'s arithmetic (no mean, no bias;
-    ``eps=None``: the compute dtype's machine epsilon). Returns ``(y, h)``; ``(y, h, rstd)`` with
-    ``return_stats``; with ``return_residual=False``: ``y`` or ``(y, rstd)``.
+    ``eps=None``: the compute dtype's machine epsilon; ``casting`` as for :func:`rms_norm`).
+    Returns ``(y, h)``; ``(y, h, rstd)`` with ``return_stats``; with ``return_residual=False``:
+    ``y`` or ``(y, rstd)``.
     """
     args = (
         x, residual, normalized_shape, weight, eps, axis, return_stats, return_residual, out,
-        residual_out, weight_offset,
+        residual_out, weight_offset, casting,
     )  # fmt: skip
     return _run(_ADD_RMS_NORM, args, backend)
 

@@ -52,9 +52,9 @@ def arguments(op: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """The arguments of a call of the op named ``op``, in the order of ``OPS[op].arguments``:
     ``args`` in that order, then ``kwargs`` by name, the rest the op's defaults (eps: the op's
     ``default_eps``; ``return_residual``: True; ``needs``: every gradient; ``weight_offset``:
-    0.0; others None or False); an argument the op does not take may be given as None
-    (rms_norm's bias). For tests and tools; the public functions pass their arguments in
-    order."""
+    0.0; ``casting``: ``"exact"``; others None or False); an argument the op does not take may
+    be given as None (rms_norm's bias). For tests and tools; the public functions pass their
+    arguments in order."""
     table = OPS.get(op)
     if table is None:
         raise ArgumentError(f"unknown op {op!r}; normlab provides {', '.join(OPS)}")
@@ -66,6 +66,7 @@ def arguments(op: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         "return_residual": True,
         "needs": table.gradients,
         "weight_offset": 0.0,
+        "casting": "exact",
     }
     unknown = [
         name for name, value in kwargs.items() if name not in table.index and value is not None

@@ -34,7 +34,9 @@ class Call:
     ``parameters`` what the core composes for a backend that does not take the parameters as
     given (:mod:`normlab.parameters`): ``"weight_offset"`` (a nonzero offset), ``"weight"`` and
     ``"bias"`` (a dtype other than x's, or float32 for half x); ``residual_stream`` that a fused
-    op's residual is a float32 stream beside half x (:mod:`normlab.residual_stream`).
+    op's residual is a float32 stream beside half x (:mod:`normlab.residual_stream`);
+    ``casting`` the order of RMSNorm's weight multiply and rounding, ``"exact"`` without a
+    weight (:mod:`normlab.casting`).
     ``routes`` caches, per backend, how the call runs on it (:func:`normlab.route.route`).
     """
 
@@ -50,6 +52,7 @@ class Call:
     needs: frozenset[str] = frozenset()
     parameters: frozenset[str] = frozenset()
     residual_stream: bool = False
+    casting: str = "exact"
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def given_outputs(self, args: tuple[Any, ...]) -> dict[str, Any]:

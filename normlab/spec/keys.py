@@ -34,6 +34,7 @@ _EXPRESSIONS: Final = {
     "out": "None if {a} is None else _out_key({a})",
     "needs": "(type({a}), tuple({a}) if isinstance({a}, (tuple, list)) else {a})",
     "number": "{a} if type({a}) is float else (type({a}), {a})",
+    "name": "{a} if type({a}) is str else (type({a}), {a})",
 }
 #: The kind of each argument that is not an array.
 _KINDS: Final = {
@@ -46,6 +47,7 @@ _KINDS: Final = {
     "residual_out": "out",
     "needs": "needs",
     "weight_offset": "number",
+    "casting": "name",
 }
 
 

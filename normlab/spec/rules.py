@@ -38,6 +38,8 @@ from normlab.hookspecs import Plan
 from normlab.ops import Op
 from normlab.spec.aliasing import overlaps_itself
 from normlab.spec.call import Call
+from normlab.spec.casting import CASTINGS
+from normlab.spec.casting import y_dtype as casting_y_dtype
 
 __all__ = ["eps_value", "row_call", "validate"]
 
@@ -92,6 +94,11 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     weight_offset = _weight_offset(op, given.get("weight_offset", 0.0), given.get("weight"))
     if weight_offset:
         composed.add("weight_offset")
+    casting = _casting(op, given.get("casting", "exact"), weight_offset)
+    if given.get("weight") is None:
+        casting = "exact"  # the orders differ only in where the weight multiply happens
+    weight_dtype = infos["weight"].dtype if casting != "exact" else None
+    y_dtype = casting_y_dtype(casting, xi.dtype, weight_dtype)
     eps = _eps(op, given.get("eps"), compute)
     return_stats = given.get("return_stats", False)
     if not isinstance(return_stats, bool):
@@ -109,7 +116,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         name: layout.row_view_strides(infos[name].shape, infos[name].strides, batch_axes, axes)
         for name in op.like_x
     }
-    outputs = _check_out(op, out, xi, return_stats, stats_shape, compute)
+    outputs = _check_out(op, out, xi, return_stats, stats_shape, compute, y_dtype)
     if residual_out is not None:
         outputs["h"] = _check_out_array("residual_out", residual_out, xi, xi.shape, h_dtype)
     for name in ("y", "h"):
@@ -147,6 +154,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         needs=needs,
         parameters=frozenset(composed),
         residual_stream=h_dtype != xi.dtype,
+        casting=casting,
     )
 
 
@@ -313,6 +321,23 @@ def _weight_offset(op: Op, offset: Any, weight: Any) -> float:
             "x̂ · weight_offset)"
         )
     return value
+
+
+def _casting(op: Op, casting: Any, weight_offset: float) -> str:
+    """The call's casting order (:mod:`normlab.spec.casting`): one of CASTINGS; a composed one
+    takes no weight offset (Gemma's offset weights use the exact order)."""
+    if "casting" not in op.index:
+        return "exact"
+    if not isinstance(casting, str):
+        raise ArgumentTypeError(f"casting must be one of {', '.join(CASTINGS)}; got {casting!r}")
+    if casting not in CASTINGS:
+        raise ArgumentError(f"casting must be one of {', '.join(CASTINGS)}; got {casting!r}")
+    if casting != "exact" and weight_offset:
+        raise ArgumentError(
+            f"weight_offset={weight_offset!r} with casting={casting!r}: models with offset "
+            "weights (Gemma) multiply in float32 and round once, casting='exact'"
+        )
+    return casting
 
 
 def _eps(op: Op, eps: Any, compute: str) -> float:
@@ -487,9 +512,10 @@ def _check_out(
     return_stats: bool,
     stats_shape: tuple[int, ...],
     stats_dtype: str,
+    y_dtype: str,
 ) -> dict[str, ArrayInfo]:
-    """The outputs given in ``out`` (``y``, or with ``return_stats`` a tuple of ``y`` and the
-    statistics, None entries allocated), by name, each checked."""
+    """The outputs given in ``out`` (``y`` of ``y_dtype``, or with ``return_stats`` a tuple of
+    ``y`` and the statistics, None entries allocated), by name, each checked."""
     if out is None:
         return {}
     names = ("y", *op.stats_outputs)
@@ -508,7 +534,7 @@ def _check_out(
         if o is None:
             continue
         if name == "y":
-            outputs[name] = _check_out_array("out", o, xi, xi.shape, xi.dtype)
+            outputs[name] = _check_out_array("out", o, xi, xi.shape, y_dtype)
         else:
             outputs[name] = _check_out_array(f"out ({name})", o, xi, stats_shape, stats_dtype)
     return outputs
