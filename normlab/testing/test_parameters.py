@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 import normlab
+from normlab import reference
 from normlab.constants import FLOAT_DTYPES
 from normlab.ops import OPS as TABLE
 from normlab.testing.bitwise import same_bits
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
+from normlab.testing.tolerances import TOLERANCES
 
 #: The ops with a weight, forward and backward.
 OPS: Final = (
@@ -168,3 +170,74 @@ def test_parameters_of_any_float_dtype(
     _assert_formed(got, want, op, weight_dtype, repro)
     if got[0] is not None:
         assert got[0].dtype == numpy_dtype(dtype), f"y is {got[0].dtype}, not x's {dtype}\n{repro}"
+
+
+#: Significand bits of each dtype (a unit in the last place is 2**(1 - bits) relative).
+_BITS: Final = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}
+
+
+@pytest.mark.parametrize("casting", ["llama", "t5"])
+@pytest.mark.parametrize("weight_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_casting_orders(
+    normlab_subject: Subject, op: str, dtype: str, weight_dtype: str, casting: str
+) -> None:
+    """``casting="llama"``: x̂ rounded to x's dtype, then ``weight * x̂`` in torch's promotion
+    of the two dtypes (HF Llama); ``"t5"``: x̂ rounded to the weight's dtype when that is half
+    (else float32, float64 for float64 x), then the multiply (HF T5). y has that promotion's
+    dtype and is within the arithmetic of x̂ and one rounding of each step of the float64
+    reference: x̂ rounded to its dtype (a unit of it, times the weight), the product to y's. A
+    row's bits are the same alone and in the batch."""
+    s = normlab_subject
+    _require(s, op, dtype, weight_dtype)
+    given = _inputs(dtype, seed=15)
+    weight = _parameters(seed=16)["weight"].astype(numpy_dtype(weight_dtype)) * 10
+    x = given["x"]
+    rounded_to = (
+        dtype
+        if casting == "llama"
+        else weight_dtype
+        if weight_dtype in ("float16", "bfloat16")
+        else ("float64" if dtype == "float64" else "float32")
+    )
+    y_dtype = _promoted(rounded_to, weight_dtype)
+    args = [s.from_numpy(x)]
+    h = x
+    if op == "add_rms_norm":
+        args.append(s.from_numpy(given["residual"]))
+        h = (x + given["residual"]).astype(x.dtype)  # the fused op's h, rounded to x's dtype
+    function = getattr(normlab, op)
+    result = function(*args, weight=s.from_numpy(weight), casting=casting, backend=s.backend)
+    y = s.to_numpy(result[0] if op == "add_rms_norm" else result)
+    repro = _repro(s, op, dtype, f"{weight_dtype} weight, casting={casting!r}")
+    assert y.dtype == numpy_dtype(y_dtype), f"y is {y.dtype}, expected {y_dtype}\n{repro}"
+    xhat = reference.rms_norm(h)[0]
+    w64 = weight.astype(np.float64)
+    want = (xhat.astype(numpy_dtype(rounded_to)).astype(np.float64) * w64).astype(y.dtype)
+    # x̂'s own arithmetic (the RMSNorm tolerance of the compute dtype), then a unit of the dtype
+    # it is rounded to (the two roundings may fall on either side of a midpoint), then y's
+    arithmetic = TOLERANCES[dtype].compute * (1 + np.sqrt(COLS))
+    allowed = (arithmetic + 2.0 ** (1 - _BITS[rounded_to])) * np.abs(xhat * w64) * 1.01
+    allowed += 2.0 ** (1 - _BITS[y_dtype]) * np.abs(want.astype(np.float64)) * 1.01
+    allowed += np.finfo(numpy_dtype(y_dtype)).smallest_subnormal
+    error = np.abs(y.astype(np.float64) - want.astype(np.float64))
+    bad = error > allowed
+    assert not bad.any(), (
+        f"{int(bad.sum())} elements of y off by more than one rounding of x̂ and one of y; "
+        f"worst {float(error.max())!r}\n{repro}"
+    )
+    rows = (a[3:9, ...] for a in args)
+    part = function(*rows, weight=s.from_numpy(weight), casting=casting, backend=s.backend)
+    part_y = s.to_numpy(part[0] if op == "add_rms_norm" else part)
+    assert same_bits(part_y, y[3:9]), f"rows 3..8 alone give other bits\n{repro}"
+
+
+def _promoted(a: str, b: str) -> str:
+    """torch's promotion of two float dtypes."""
+    if a == b:
+        return a
+    if {a, b} == {"float16", "bfloat16"}:
+        return "float32"
+    width = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+    return a if width[a] > width[b] else b
