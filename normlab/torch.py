@@ -30,6 +30,7 @@ from normlab import (
     registry,
     torch_ops,  # noqa: F401  (registers the custom ops with torch)
 )
+from normlab.spec.casting import CASTINGS
 
 __all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "replace_layer_norms"]
 
@@ -71,11 +72,13 @@ def _rms_norm_node(
     eps: float | None,
     backend: str | None,
     weight_offset: float = 0.0,
+    casting: str = "exact",
 ) -> Tensor:
     eps_value = None if eps is None else float(eps)
     y: Tensor = normlab.rms_norm(
-        x, normalized_shape, weight, eps_value, backend=backend, weight_offset=float(weight_offset)
-    )
+        x, normalized_shape, weight, eps_value, backend=backend,
+        weight_offset=float(weight_offset), casting=casting,
+    )  # fmt: skip
     return y
 
 
@@ -104,11 +107,12 @@ def _add_rms_norm_node(
     eps: float | None,
     backend: str | None,
     weight_offset: float = 0.0,
+    casting: str = "exact",
 ) -> tuple[Tensor, Tensor]:
     eps_value = None if eps is None else float(eps)
     y, h = normlab.add_rms_norm(
         x, residual, normalized_shape, weight, eps_value, backend=backend,
-        weight_offset=float(weight_offset),
+        weight_offset=float(weight_offset), casting=casting,
     )  # fmt: skip
     return y, h
 
@@ -153,7 +157,9 @@ def _offset_initialization(module: Any) -> None:
 
 def _extra_repr(module: Any, torch_repr: str) -> str:
     offset = f", weight_offset={module.weight_offset!r}" if module.weight_offset else ""
-    return f"{torch_repr}, backend={module.backend!r}{offset}"
+    casting = getattr(module, "casting", "exact")
+    order = f", casting={casting!r}" if casting != "exact" else ""
+    return f"{torch_repr}, backend={module.backend!r}{offset}{order}"
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -210,10 +216,12 @@ class RMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` computed by :func:`normlab.rms_norm` (``eps=None``: the machine
     epsilon of the compute dtype, float32's for half input, as torch); constructor,
     parameters and ``state_dict`` as ``torch.nn.RMSNorm``, plus ``backend`` and
-    ``weight_offset`` as for :class:`LayerNorm` (``weight_offset=1.0``: Gemma's RMSNorm)."""
+    ``weight_offset`` as for :class:`LayerNorm` (``weight_offset=1.0``: Gemma's RMSNorm), and
+    ``casting`` as for :func:`normlab.rms_norm` (``"llama"``: HF Llama's order, ``"t5"``)."""
 
     backend: str | None
     weight_offset: float
+    casting: str
 
     def __init__(
         self,
@@ -225,23 +233,30 @@ class RMSNorm(torch.nn.RMSNorm):
         *,
         backend: str | None = None,
         weight_offset: float = 0.0,
+        casting: str = "exact",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         _configure(self, backend, weight_offset)
+        if casting not in CASTINGS:
+            raise normlab.ArgumentError(
+                f"casting must be one of {', '.join(CASTINGS)}; got {casting!r}"
+            )
+        self.casting = casting
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         _offset_initialization(self)
 
     def forward(self, x: Tensor) -> Tensor:
-        if _jit_tracing():  # torch.jit.trace records torch's ops: its own module's
+        if _jit_tracing() and self.casting == "exact":  # torch.jit.trace records torch's ops
             if not self.weight_offset:
                 return super().forward(x)
             weight = self.weight + self.weight_offset  # torch's own arithmetic, as the module's
             return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
         return _rms_norm_node(
-            x, self.normalized_shape, self.weight, self.eps, self.backend, self.weight_offset
-        )
+            x, self.normalized_shape, self.weight, self.eps, self.backend, self.weight_offset,
+            self.casting,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return _extra_repr(self, super().extra_repr())
@@ -278,7 +293,7 @@ class AddRMSNorm(RMSNorm):
             return super().forward(h), h
         return _add_rms_norm_node(
             x, residual, self.normalized_shape, self.weight, self.eps, self.backend,
-            self.weight_offset,
+            self.weight_offset, self.casting,
         )  # fmt: skip
 
 

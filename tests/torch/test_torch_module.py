@@ -105,11 +105,13 @@ def test_normlab_torch_does_not_shadow_torch() -> None:
 def test_constructor_mirrors_torch(ours: str, theirs: str) -> None:
     mine = inspect.signature(getattr(nt, ours)).parameters
     stock = inspect.signature(getattr(torch.nn, theirs)).parameters
-    ours_only = ("backend", "weight_offset")
+    ours_only = ("backend", "weight_offset", "casting")
     assert [(p.name, p.default) for p in stock.values()] == [
         (p.name, p.default) for p in mine.values() if p.name not in ours_only
     ]
-    assert all(mine[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ours_only)
+    assert all(
+        mine[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ours_only if name in mine
+    )
 
 
 def test_unknown_backend_is_refused_at_construction() -> None:
@@ -464,3 +466,16 @@ def test_weight_offset_under_jit_trace() -> None:
     x = torch.randn(4, 16)
     traced = torch.jit.trace(model, x)
     torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("casting", ["llama", "t5"])
+def test_rms_norm_module_casting(casting: str) -> None:
+    """``casting=`` reaches normlab.rms_norm, eager, compiled and traced alike."""
+    model = nt.RMSNorm(16, casting=casting).to(torch.bfloat16)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    want = normlab.rms_norm(x, weight=model.weight, eps=model.eps, casting=casting)
+    assert torch.equal(model(x), want) and f"casting={casting!r}" in repr(model)
+    torch.testing.assert_close(torch.compile(model)(x), want)
+    torch.testing.assert_close(torch.jit.trace(model, x)(x), want)
+    with pytest.raises(normlab.ArgumentError, match="casting must be one of"):
+        nt.RMSNorm(16, casting="gemma")
