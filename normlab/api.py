@@ -66,26 +66,41 @@ def run(op: str, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
 
 def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
     """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run.
-    Parameters the chosen backend does not take as given (an offset, another dtype) are formed
-    by the core first (:mod:`normlab.parameters`), and the call validated and chosen again for
-    them; a fused op that no able backend provides, or an empty one, is composed by the core,
-    as one on a float32 residual stream beside half x (:mod:`normlab.residual_stream`)."""
+    A call the core reshapes first goes through :func:`_reshaped`."""
     call = spec.validated(op, args)
-    if call.casting != "exact":  # RMSNorm rounding x̂ before the weight multiply: the core's
+    if call.reshaped:
+        return _reshaped(op, call, args, named)
+    return _routed(op, call, dispatch.choose(call.plan, named), args, args)
+
+
+def _reshaped(op: Op, call: spec.Call, args: tuple[Any, ...], named: str | None) -> Any:
+    """A call the core reshapes before a backend sees it: a composed casting order
+    (:mod:`normlab.casting`) or a float32 residual stream beside half x
+    (:mod:`normlab.residual_stream`), whose own ops run through :func:`_run` again; parameters
+    the chosen backend does not take as given (an offset, another dtype), formed first
+    (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
+    if call.casting != "exact":
         return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
-    if call.residual_stream:  # a float32 residual beside half x: the core's, on any backend
+    if call.residual_stream:
         return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
+    choice = dispatch.choose(call.plan, named)
+    if parameters.native(call, choice):
+        return _routed(op, call, choice, args, args)
+    formed = parameters.composed(call, args)
+    formed_call = spec.validated(op, formed)
+    return _routed(op, formed_call, dispatch.choose(formed_call.plan, named), formed, args)
+
+
+def _routed(
+    op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...], given: tuple[Any, ...]
+) -> Any:
+    """``call`` (of ``args``) run on ``choice``: a fused op that no able backend provides, or an
+    empty one, composed by the core; on torch tensors what torch must see of the call
+    (autograd, transforms); a backward op's parameter gradients in the dtypes of ``given``'s."""
     plan = call.plan
-    choice = dispatch.choose(plan, named)
-    given = args
-    if call.parameters and not parameters.native(call, choice):  # offset + weight, converted
-        args = parameters.composed(call, args)
-        call = spec.validated(op, args)
-        plan = call.plan
-        choice = dispatch.choose(plan, named)
     if op.base is not None and (choice.composed or plan.empty):
         return composition.run(call, choice, args)
-    if plan.family == "torch":  # what torch must see of the call (autograd, transforms)
+    if plan.family == "torch":
         tensors = _TENSORS.get(op.name) or _TENSORS.setdefault(op.name, _tensors_of(op))
         choice = autograd.through_graph(plan, choice, op.tensors, tensors(args))
     result = route.run(call, choice, args)

@@ -155,6 +155,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         parameters=frozenset(composed),
         residual_stream=h_dtype != xi.dtype,
         casting=casting,
+        reshaped=bool(composed) or h_dtype != xi.dtype or casting != "exact",
     )
 
 
