@@ -4,7 +4,10 @@
 * :class:`LayerNorm` and :class:`RMSNorm`: drop-in subclasses of ``torch.nn.LayerNorm`` and
   ``torch.nn.RMSNorm`` (same constructor, parameters and ``state_dict`` keys) that compute with
   :func:`normlab.layer_norm` / :func:`normlab.rms_norm`, plus ``backend=``;
-  :func:`replace_layer_norms` swaps them into a model, keeping its parameters.
+  :func:`replace_layer_norms` swaps them into a model, keeping its parameters;
+  :func:`replace_norms` also swaps the RMSNorm classes of HF transformers models
+  (:data:`MODEL_NORMS`: Llama, Mistral, Qwen2/3, Phi-3, OLMo-2, Gemma 1–3, T5), each for an
+  :class:`RMSNorm` of the same arithmetic order (``casting``, ``weight_offset``).
 * :class:`AddLayerNorm` and :class:`AddRMSNorm`: the same constructors and ``state_dict``, with
   ``forward(x, residual) -> (y, h)`` computed by :func:`normlab.add_layer_norm` /
   :func:`normlab.add_rms_norm` (``h = x + residual``, ``y`` its norm): a pre-norm block's
@@ -20,8 +23,9 @@ Importing this module imports torch; ``import normlab`` does not import it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -32,7 +36,16 @@ from normlab import (
 )
 from normlab.spec.casting import CASTINGS
 
-__all__ = ["AddLayerNorm", "AddRMSNorm", "LayerNorm", "RMSNorm", "replace_layer_norms"]
+__all__ = [
+    "MODEL_NORMS",
+    "AddLayerNorm",
+    "AddRMSNorm",
+    "LayerNorm",
+    "ModelNorm",
+    "RMSNorm",
+    "replace_layer_norms",
+    "replace_norms",
+]
 
 Tensor = torch.Tensor
 
@@ -334,4 +347,73 @@ def _swap(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
         new.weight = module.weight
     else:
         return module
+    return new.train(module.training)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNorm:
+    """How normlab computes a model library's norm class: an :class:`RMSNorm` with this
+    ``casting`` and ``weight_offset``, its eps read from the attribute ``eps_attribute`` of the
+    replaced module (HF names it ``variance_epsilon`` or ``eps``)."""
+
+    casting: str = "exact"
+    weight_offset: float = 0.0
+    eps_attribute: str = "variance_epsilon"
+
+
+_LLAMA: Final = ModelNorm(casting="llama")
+_GEMMA: Final = ModelNorm(weight_offset=1.0, eps_attribute="eps")
+#: The norm classes of HF transformers models that :func:`replace_norms` swaps, by class name
+#: (those of ``transformers.models.*`` only); add an entry for another class of the same form
+#: (a ``weight`` of the hidden size, an eps attribute). Each entry's order is the class's own
+#: ``forward``, as written in transformers 5.
+MODEL_NORMS: Final[dict[str, ModelNorm]] = {
+    "LlamaRMSNorm": _LLAMA,  # weight * x̂.to(x.dtype)
+    "MistralRMSNorm": _LLAMA,
+    "Qwen2RMSNorm": _LLAMA,
+    "Qwen3RMSNorm": _LLAMA,
+    "Phi3RMSNorm": _LLAMA,
+    "Olmo2RMSNorm": ModelNorm(),  # (weight * x̂).to(x.dtype): one rounding
+    "GemmaRMSNorm": _GEMMA,  # (x̂ * (1 + weight.float())).to(x.dtype)
+    "Gemma2RMSNorm": _GEMMA,
+    "Gemma3RMSNorm": _GEMMA,
+    "T5LayerNorm": ModelNorm(casting="t5"),  # x̂ to a half weight's dtype, then weight * x̂
+}
+
+
+def replace_norms(model: torch.nn.Module, backend: str | None = None) -> torch.nn.Module:
+    """Swap every norm of ``model`` that normlab computes: ``torch.nn.LayerNorm`` and
+    ``torch.nn.RMSNorm`` (as :func:`replace_layer_norms`) and the HF transformers classes of
+    :data:`MODEL_NORMS`, each for an :class:`RMSNorm` of the class's own order.
+
+    The new modules hold the very same parameter objects, under the same ``state_dict`` keys,
+    and the same training mode; their results are the replaced modules' up to the order of the
+    mean square's sum (a few elements of a half y may differ by one unit). Returns ``model`` (or
+    its replacement, when ``model`` itself is one of them).
+    """
+    if backend is not None:
+        registry.get(backend)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            swapped = _swap_any(child, backend)
+            if swapped is not child:
+                setattr(parent, name, swapped)
+    return _swap_any(model, backend)
+
+
+def _swap_any(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
+    kind = type(module)
+    norm = MODEL_NORMS.get(kind.__name__)
+    if norm is None or not kind.__module__.startswith("transformers.models."):
+        return _swap(module, backend)
+    weight: torch.nn.Parameter = module.weight  # type: ignore[assignment]
+    new = RMSNorm(
+        tuple(weight.shape),
+        float(getattr(module, norm.eps_attribute)),
+        device="meta",
+        backend=backend,
+        weight_offset=norm.weight_offset,
+        casting=norm.casting,
+    )
+    new.weight = weight
     return new.train(module.training)
