@@ -84,6 +84,8 @@ FLAWS: Final = {
     "writes h again from x + residual (read after out, which may be x or residual, was written)",
     "offset_in_x_dtype": "adds weight_offset to the weight in the weight's own dtype (a float16 "
     "or bfloat16 weight: rounded there), not in the compute dtype",
+    "offset_ignored": "declares the capability weight_offset and uses the weight as given",
+    "offset_on_bias": "adds weight_offset to the bias as well as to the weight",
 }
 
 #: The flaws proper (every one but the control).
@@ -106,7 +108,7 @@ ONLY: Final = {
     "bwd_half_sums": "half_parameter_gradients or backward_matches_reference or backward_affine",
     "torch_half_sums": "half_parameter_gradients or autograd_gradients",
     **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
-    "offset_in_x_dtype": "weight_offset",
+    **dict.fromkeys(("offset_in_x_dtype", "offset_ignored", "offset_on_bias"), "weight_offset"),
 }
 
 #: flaw -> tests of the suite before batch invariance, float32 accuracy and 4096-row half
@@ -135,7 +137,7 @@ FUSED_FLAWS: Final = frozenset({"normalize_before_rounding", "forgets_h", "h_int
 
 #: The flaws of the weight offset, which every numpy mutant applies itself (the record declares
 #: the capability ``"weight_offset"``: the suite sees the native path, not the core's).
-OFFSET_FLAWS: Final = frozenset({"offset_in_x_dtype"})
+OFFSET_FLAWS: Final = frozenset({"offset_in_x_dtype", "offset_ignored", "offset_on_bias"})
 
 #: The flaws of a torch-family mutant (normlab's torch backend with one fix undone).
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
@@ -161,6 +163,9 @@ def layer_norm(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """LayerNorm of the rows of the 2-D ``x`` (normlab's backend contract), with ``flaw``."""
     weight = _offset_weight(weight, plan, flaw)
+    if flaw == "offset_on_bias" and bias is not None and plan.weight_offset:
+        compute_dtype = np.dtype(plan.compute_dtype)
+        bias = bias.astype(compute_dtype) + compute_dtype.type(plan.weight_offset)
     compute = _compute_dtype(plan, flaw)
     if flaw == "naive_moments":
         compute = np.dtype(np.float32)
@@ -212,7 +217,7 @@ def _offset_weight(weight: np.ndarray | None, plan: Plan, flaw: str) -> np.ndarr
     """The weight the kernels use: ``plan.weight_offset + weight`` formed in the plan's compute
     dtype (the offset_in_x_dtype flaw: in the weight's); the weight itself without an offset."""
     offset = plan.weight_offset
-    if weight is None or not offset:
+    if weight is None or not offset or flaw == "offset_ignored":
         return weight
     dtype = weight.dtype if flaw == "offset_in_x_dtype" else np.dtype(plan.compute_dtype)
     return weight.astype(dtype) + dtype.type(offset)
