@@ -70,12 +70,17 @@ def _output(model: Any, ids: Any) -> Any:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", list(_models()))
-def test_replace_norms(name: str, dtype: str) -> None:
+#: The largest logit difference allowed, relative to the largest logit: measured on these
+#: models (float32 5.5e-7 at most, bfloat16 0: the same bits), with room for other machines.
+BOUNDS: dict[str, float] = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def _pair(name: str, dtype: str) -> tuple[Any, Any]:
+    """The model with weights moved away from their initial values (Gemma's zeros), and a
+    copy of it swapped by replace_norms (checked: every norm, the same parameters and keys)."""
     torch.manual_seed(0)
     stock = _models()[name]().eval().to(getattr(torch, dtype))
-    with torch.no_grad():  # weights away from their initial ones (and zeros, for Gemma)
+    with torch.no_grad():
         for p in stock.parameters():
             p.add_(0.05 * torch.randn_like(p))
     ours = copy.deepcopy(stock)
@@ -85,12 +90,57 @@ def test_replace_norms(name: str, dtype: str) -> None:
     assert nt.replace_norms(ours) is ours
     assert _norms(ours) == [], f"left unswapped: {_norms(ours)}"
     assert ours.state_dict().keys() == keys and {id(p) for p in ours.parameters()} == before
-    ids = torch.randint(0, 96, (2, 7))
+    return stock, ours
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(_models()))
+def test_replace_norms(name: str, dtype: str) -> None:
+    """Forward: the logits within :data:`BOUNDS`; backward: every parameter's gradient of a
+    fixed loss as close (float32)."""
+    stock, ours = _pair(name, dtype)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    got, want = _output(ours, ids), _output(stock, ids)
+    scale = want.detach().float().abs().max()
+    assert (got.detach().float() - want.detach().float()).abs().max() <= BOUNDS[dtype] * scale
+    if dtype != "float32":
+        return
+    weights = torch.linspace(-1, 1, want.numel()).reshape(want.shape)
+    grads = [
+        torch.autograd.grad((out * weights).sum(), list(model.parameters()), allow_unused=True)
+        for out, model in ((got, ours), (want, stock))
+    ]
+    for g_ours, g_stock in zip(*grads, strict=True):
+        if g_stock is None:
+            assert g_ours is None
+            continue
+        assert (g_ours - g_stock).abs().max() <= 1e-4 * g_stock.abs().max().clamp_min(1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", [n for n in _models() if n != "bert"])
+def test_generate(name: str, dtype: str) -> None:
+    """Greedy generation: the same tokens in float32; in bfloat16 the same wherever the
+    original's top-2 margin exceeds twice the logit bound (elsewhere a tie may go either way)."""
+    stock, ours = _pair(name, dtype)
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4))
+    kwargs: dict[str, Any] = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    if name == "t5":
+        kwargs["decoder_start_token_id"] = 0
     with torch.no_grad():
-        got, want = _output(ours, ids), _output(stock, ids)
-    tolerance = {"float32": 1e-4, "bfloat16": 0.05}[dtype]
-    scale = want.float().abs().max()
-    assert (got.float() - want.float()).abs().max() <= tolerance * scale, name
+        tokens = stock.generate(ids, **kwargs)
+        if dtype == "float32":
+            assert torch.equal(ours.generate(ids, **kwargs), tokens)
+            return
+        # bfloat16: each step's prediction, teacher-forced on the original's tokens
+        inputs = {"input_ids": tokens}
+        if name == "t5":  # T5's generate returns the decoder's tokens
+            inputs = {"input_ids": ids, "decoder_input_ids": tokens}
+        want, got = stock(**inputs).logits, ours(**inputs).logits
+    top2 = want.float().topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    clear = margin > 2 * BOUNDS[dtype] * want.float().abs().max()
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_only_the_model_librarys_classes() -> None:
