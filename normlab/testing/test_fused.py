@@ -462,7 +462,7 @@ def test_fused_autograd(normlab_subject: Subject, op: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("form", ["allocated", "in place", "post-norm"])
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("dtype", sorted(HALF_DTYPES))
 @pytest.mark.parametrize("base", list(FUSED_OPS))
 def test_float32_residual_stream(
     normlab_subject: Subject, base: str, dtype: str, form: str
