@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import normlab.torch as nt
-
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="the 'models' extra")
+
+import normlab.torch as nt  # noqa: E402  (after the skips: it imports torch)
 
 SMALL: dict[str, Any] = {
     "vocab_size": 96,
