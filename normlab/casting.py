@@ -12,9 +12,9 @@ multiply after, in torch's promotion of the two dtypes:
   (else kept in float32, float64 for float64 x), then ``weight * x̂`` in their promotion.
 
 Their dtypes are rules of the call (:mod:`normlab.spec.casting`). The core composes both for
-every backend: the backend's ``rms_norm`` without a weight (x̂ in x's
-dtype, or of x converted to float32 when x̂ must be rounded elsewhere), the family's conversion
-and multiply. Every step is per row or elementwise: a row's bits do not depend on its batch.
+every backend: the backend's ``rms_norm`` without a weight (x̂ in x's dtype, or of x converted
+to float32 when x̂ must be rounded elsewhere), the family's conversion and multiply. Every step
+is per row or elementwise: a row's bits do not depend on its batch.
 """
 
 from __future__ import annotations

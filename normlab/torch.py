@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
@@ -318,14 +319,23 @@ def replace_layer_norms(model: torch.nn.Module, backend: str | None = None) -> t
     swapped: a subclass may override ``forward`` and is left alone. Returns ``model`` (or its
     replacement, when ``model`` itself is one of them).
     """
+    return _replaced(model, backend, _swap)
+
+
+def _replaced(
+    model: torch.nn.Module,
+    backend: str | None,
+    swap: Callable[[torch.nn.Module, str | None], torch.nn.Module],
+) -> torch.nn.Module:
+    """``model`` with every module (itself included) replaced by ``swap``'s answer for it."""
     if backend is not None:
         registry.get(backend)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            swapped = _swap(child, backend)
+            swapped = swap(child, backend)
             if swapped is not child:
                 setattr(parent, name, swapped)
-    return _swap(model, backend)
+    return swap(model, backend)
 
 
 def _swap(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
@@ -391,14 +401,7 @@ def replace_norms(model: torch.nn.Module, backend: str | None = None) -> torch.n
     mean square's sum (a few elements of a half y may differ by one unit). Returns ``model`` (or
     its replacement, when ``model`` itself is one of them).
     """
-    if backend is not None:
-        registry.get(backend)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            swapped = _swap_any(child, backend)
-            if swapped is not child:
-                setattr(parent, name, swapped)
-    return _swap_any(model, backend)
+    return _replaced(model, backend, _swap_any)
 
 
 def _swap_any(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:
