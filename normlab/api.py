@@ -77,15 +77,17 @@ def _reshaped(op: Op, call: spec.Call, args: tuple[Any, ...], named: str | None)
     """A call the core reshapes before a backend sees it: a composed casting order
     (:mod:`normlab.casting`) or a float32 residual stream beside half x
     (:mod:`normlab.residual_stream`), whose own ops run through :func:`_run` again; parameters
-    the chosen backend does not take as given (an offset, another dtype), formed first
-    (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
+    the backend, as the call runs it, does not take as given (an offset, another dtype), formed
+    first (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
     if call.casting != "exact":
         return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
     if call.residual_stream:
         return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
     choice = dispatch.choose(call.plan, named)
-    if parameters.native(call, choice):
-        return _routed(op, call, choice, args, args)
+    if not _composed(op, call, choice):
+        seen = _seen(op, call, choice, args)
+        if parameters.native(call, seen):
+            return _ran(op, call, seen, args, args)
     formed = parameters.composed(call, args)
     formed_call = spec.validated(op, formed)
     return _routed(op, formed_call, dispatch.choose(formed_call.plan, named), formed, args)
@@ -95,14 +97,33 @@ def _routed(
     op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...], given: tuple[Any, ...]
 ) -> Any:
     """``call`` (of ``args``) run on ``choice``: a fused op that no able backend provides, or an
-    empty one, composed by the core; on torch tensors what torch must see of the call
-    (autograd, transforms); a backward op's parameter gradients in the dtypes of ``given``'s."""
-    plan = call.plan
-    if op.base is not None and (choice.composed or plan.empty):
+    empty one, composed by the core (:func:`_composed`); else :func:`_ran` as torch must see the
+    call (:func:`_seen`)."""
+    if _composed(op, call, choice):
         return composition.run(call, choice, args)
-    if plan.family == "torch":
-        tensors = _TENSORS.get(op.name) or _TENSORS.setdefault(op.name, _tensors_of(op))
-        choice = autograd.through_graph(plan, choice, op.tensors, tensors(args))
+    return _ran(op, call, _seen(op, call, choice, args), args, given)
+
+
+def _composed(op: Op, call: spec.Call, choice: dispatch.Choice) -> bool:
+    """Whether the core composes the fused op of ``call`` from its base op: no able backend
+    provides it (``choice.composed``), or it is empty."""
+    return op.base is not None and (choice.composed or call.plan.empty)
+
+
+def _seen(op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...]) -> Any:
+    """``choice`` as the call runs: on torch tensors, what torch must see of it (autograd,
+    transforms: :func:`normlab.autograd.through_graph`)."""
+    if call.plan.family != "torch":
+        return choice
+    tensors = _TENSORS.get(op.name) or _TENSORS.setdefault(op.name, _tensors_of(op))
+    return autograd.through_graph(call.plan, choice, op.tensors, tensors(args))
+
+
+def _ran(
+    op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...], given: tuple[Any, ...]
+) -> Any:
+    """``call`` (of ``args``) run on ``choice`` as :func:`_seen` gave it; a backward op's
+    parameter gradients in the dtypes of ``given``'s parameters."""
     result = route.run(call, choice, args)
     if op.per_feature_outputs:
         return _in_parameter_dtype(op, given, result)
@@ -419,11 +440,16 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         return "\n".join(lines)
     try:
         choice = dispatch.choose(plan, named)
-        if call.parameters and not parameters.native(call, choice):
-            lines.append(f"  parameters: {parameters.described(call)}")
-            call = spec.validated(table, parameters.composed(call, args))
-            plan = call.plan
-            choice = dispatch.choose(plan, named)
+        if call.parameters:
+            native = not _composed(table, call, choice) and parameters.native(
+                call, _seen(table, call, choice, args)
+            )
+            by = choice.backend.name if native else None
+            lines.append(f"  parameters: {parameters.described(call, by)}")
+            if not native:
+                call = spec.validated(table, parameters.composed(call, args))
+                plan = call.plan
+                choice = dispatch.choose(plan, named)
     except NormlabError as exc:
         lines.append(f"  no choice: {exc}")
         return "\n".join(lines)

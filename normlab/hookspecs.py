@@ -116,6 +116,10 @@ CAPABILITIES: Final = frozenset(
         # provides an op's backward op is run by the core through normlab's custom ops)
         "weight_offset",  # applies ``plan.weight_offset`` itself: y = x̂ · (offset + weight)
         # (without it, the core passes ``offset + weight`` as the weight, and an offset of 0)
+        "parameter_dtypes",  # takes a weight and bias of any float dtype, each its own
+        # (``plan.weight_dtype``, ``plan.bias_dtype``), and computes with them converted to the
+        # compute dtype; parameter gradients in the compute dtype (without it, the core passes
+        # such parameters converted)
     }
 )
 

@@ -9,18 +9,20 @@ give more (:attr:`normlab.spec.Call.parameters` says what):
 - a weight or bias of another float dtype (a bfloat16 weight beside float32 x, a float64 one
   beside float16 x): converted to the compute dtype, where the arithmetic happens anyway.
 
-For a backend that does not declare the capability ``"weight_offset"`` (or for any call with a
-converted parameter, :func:`native`), :func:`composed` forms those parameters in the arrays'
-own library, once per call, and the call goes on as a plain one: the bits are those of a call
-given ``offset + weight`` in the compute dtype, on every backend. Nothing is cached across calls: a
-NumPy array can change in place without a trace, so a weight is read afresh every call. For
-torch tensors the conversion and the addition are torch operations, so autograd carries the
-gradient back to the caller's parameter, in its own dtype.
+A backend whose record declares the capability ``"weight_offset"`` (``"parameter_dtypes"``)
+takes an offset (a parameter of another dtype) as given and forms the weight itself, in its own
+pass over the ``cols`` parameters (the numba backend does both). For the others (and under
+normlab's custom ops; :func:`native`), :func:`composed` forms those parameters in the arrays'
+own library, once per call, and the call goes on as a plain one. Either way the bits are those
+of a call given ``offset + weight`` in the compute dtype, on every backend. Nothing is cached
+across calls: a NumPy array can change in place without a trace, so a weight is read afresh
+every call. For torch tensors the conversion and the addition are torch operations, so autograd
+carries the gradient back to the caller's parameter, in its own dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import array_api_compat
 
@@ -33,14 +35,20 @@ __all__ = ["composed", "described", "native"]
 
 
 def native(call: Call, choice: Choice) -> bool:
-    """Whether the chosen backend takes the call's parameters as given: they need no conversion,
-    its record declares ``"weight_offset"``, and no custom op of normlab's stands between (one
-    records no offset: :mod:`normlab.torch_ops`)."""
-    return (
-        call.parameters == {"weight_offset"}
-        and "weight_offset" in choice.backend.capabilities
-        and not choice.records_no_graph
-    )
+    """Whether the chosen backend (as the call runs it: ``choice`` after
+    :func:`normlab.autograd.through_graph`) takes the call's parameters as given: its record
+    declares ``"weight_offset"`` for an offset and ``"parameter_dtypes"`` for a weight or bias of
+    another dtype (normlab's custom ops declare neither: :class:`normlab.torch_ops.InGraph`)."""
+    capabilities = choice.backend.capabilities
+    return all(_TAKEN_WITH[name] in capabilities for name in call.parameters)
+
+
+#: The capability a backend takes each of :attr:`normlab.spec.Call.parameters` as given with.
+_TAKEN_WITH: Final = {
+    "weight_offset": "weight_offset",
+    "weight": "parameter_dtypes",
+    "bias": "parameter_dtypes",
+}
 
 
 def composed(call: Call, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -61,8 +69,9 @@ def composed(call: Call, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(given)
 
 
-def described(call: Call) -> str:
-    """What :func:`composed` does for ``call``, in a line of :func:`normlab.explain`."""
+def described(call: Call, backend: str | None) -> str:
+    """What is done with ``call``'s parameters, in a line of :func:`normlab.explain`: the
+    chosen ``backend`` takes them as given (:func:`native`), or (None) :func:`composed`."""
     plan = call.plan
     formed = []
     if "weight_offset" in call.parameters:
@@ -72,6 +81,11 @@ def described(call: Call) -> str:
         for name in ("weight", "bias")
         if name in call.parameters and not (name == "weight" and "weight_offset" in call.parameters)
     )
+    if backend is not None:
+        return (
+            f"{backend} takes them as given and forms {', '.join(formed)} in "
+            f"{plan.compute_dtype} itself, in its pass over the parameters"
+        )
     return (
         f"the core forms {', '.join(formed)} in {plan.compute_dtype}, once per call, and the "
         "backend is chosen for the call with those"

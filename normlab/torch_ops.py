@@ -269,13 +269,19 @@ def _in_graph_function(op: Op, backend: str) -> Callable[..., tuple[Any, ...]]:
     return function
 
 
+#: What a backend's record claims that its custom ops do not.
+_NOT_IN_GRAPH: Final = frozenset({"out", "inplace", "weight_offset", "parameter_dtypes"})
+
+
 class InGraph(Backend):
     """A backend that records no autograd graph, as the core runs it on torch tensors that
     require grad or inside a torch trace: its record without ``out`` and ``inplace`` (the core
-    copies the results into the outputs, recorded by torch), each op through its custom op."""
+    copies the results into the outputs, recorded by torch) and without ``weight_offset`` and
+    ``parameter_dtypes`` (the core forms the parameters in torch's ops, so that autograd carries
+    their gradients: :mod:`normlab.parameters`), each op through its custom op."""
 
     def __init__(self, served: Backend) -> None:
-        capabilities = served.capabilities - {"out", "inplace"}
+        capabilities = served.capabilities - _NOT_IN_GRAPH
         super().__init__(dataclasses.replace(served.record, capabilities=capabilities),
                          served.provided_by)  # fmt: skip
         self.served = served

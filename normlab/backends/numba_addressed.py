@@ -30,7 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-from normlab.backends.numba_forward import FASTMATH, layer_norm_rows, load
+from normlab.backends.numba_forward import FASTMATH, layer_norm_rows, load, narrow
 from normlab.backends.numba_fused import add_norm_rows
 
 __all__ = [
@@ -53,31 +53,40 @@ def _pointer_typed(typingctx: Any, address: Any) -> Any:
 _pointer: Final[Any] = intrinsic(_pointer_typed)
 
 
-def parameter(p: Any, like: Any) -> Any:
+def parameter(p: Any, like: Any, offset: float) -> Any:
     """The weight or bias ``p`` (1-D, C-contiguous) as an array of ``like``'s dtype (the
-    compute dtype): ``p`` itself when it is one, else a new array of its elements widened from
-    half bit patterns (exact).
+    compute dtype), plus ``offset`` (``plan.weight_offset``; 0 for a bias): ``p`` itself when
+    it is one and the offset 0, else a new array of its elements widened from half bit patterns
+    (exact) and added to the offset in the compute dtype, rounded once there: the bits of
+    ``float32(p) + offset`` (:mod:`normlab.parameters`).
 
     A Numba overload (:func:`_parameter_typed`): callable from jitted code only."""
     raise NotImplementedError("parameter is a Numba overload; call it from jitted code")
 
 
-def _parameter_itself(p: Any, like: Any) -> Any:
-    return p
-
-
-def _parameter_widened(p: Any, like: Any) -> Any:
-    widened = np.empty(p.shape[0], like.dtype)
+def _parameter_formed(p: Any, like: Any, offset: Any) -> Any:
+    formed = np.empty(p.shape[0], like.dtype)
+    shift = narrow(offset, like)
     for j in range(p.shape[0]):
-        widened[j] = load(p[j])
-    return widened
+        formed[j] = load(p[j]) + shift
+    return formed
+
+
+def _parameter_itself(p: Any, like: Any, offset: Any) -> Any:
+    if offset == 0.0:
+        return p
+    formed = np.empty(p.shape[0], like.dtype)
+    shift = narrow(offset, like)
+    for j in range(p.shape[0]):
+        formed[j] = p[j] + shift
+    return formed
 
 
 @overload(parameter)
-def _parameter_typed(p: Any, like: Any) -> Any:
+def _parameter_typed(p: Any, like: Any, offset: Any) -> Any:
     if p.dtype == like.dtype:
         return _parameter_itself
-    return _parameter_widened if p.dtype in (types.int16, types.uint16) else None
+    return _parameter_formed if p.dtype in (types.int16, types.uint16) else None
 
 
 @njit(error_model="numpy", cache=True)
@@ -89,6 +98,7 @@ def layer_norm_rows_at(
     y_at: int,
     w_at: int,
     b_at: int,
+    offset: float,
     rows: int,
     cols: int,
     eps: float,
@@ -99,13 +109,14 @@ def layer_norm_rows_at(
     stop: int,
 ) -> None:
     # layer_norm_rows: x and y (rows, cols) of x_like's type, w and b (cols,) of p_like's
-    # (read as w_like's), at these addresses; eps, mean, rstd, centre, start, stop as there.
+    # (read as w_like's, the weight as offset + w), at these addresses; eps, mean, rstd,
+    # centre, start, stop as there.
     # (start and stop are arguments, not constants: a constant would make numba compile
     # another specialization of the kernel, which may round differently from the NumPy call's.)
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
-    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
     layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
 
 
@@ -121,6 +132,7 @@ def add_norm_rows_at(
     h_at: int,
     w_at: int,
     b_at: int,
+    offset: float,
     rows: int,
     cols: int,
     eps: float,
@@ -135,8 +147,8 @@ def add_norm_rows_at(
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
-    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
     if h_like is None:
         add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
     else:
@@ -153,6 +165,7 @@ def layer_norm_rows_parallel_at(
     y_at: int,
     w_at: int,
     b_at: int,
+    offset: float,
     rows: int,
     cols: int,
     eps: float,
@@ -165,8 +178,8 @@ def layer_norm_rows_parallel_at(
     # on numba's threads (as numba_forward.layer_norm_rows_parallel; chunks: the thread count).
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
-    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
     for c in prange(chunks):
         start, stop = rows * c // chunks, rows * (c + 1) // chunks
         layer_norm_rows(x, y, w, b, eps, mean, rstd, centre, start, stop)
@@ -184,6 +197,7 @@ def add_norm_rows_parallel_at(
     h_at: int,
     w_at: int,
     b_at: int,
+    offset: float,
     rows: int,
     cols: int,
     eps: float,
@@ -196,8 +210,8 @@ def add_norm_rows_parallel_at(
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
     r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
-    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like)
-    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like)
+    w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
+    b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
     if h_like is None:
         for c in prange(chunks):
             start, stop = rows * c // chunks, rows * (c + 1) // chunks

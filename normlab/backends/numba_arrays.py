@@ -72,8 +72,8 @@ def normalize(
     centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Both norms: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
-    w = k.ones if weight is None else _parameter(weight, k.compute)
-    b = k.zeros if bias is None else _parameter(bias, k.compute)
+    w = k.ones if weight is None else _parameter(weight, k.compute, plan.weight_offset)
+    b = k.zeros if bias is None else _parameter(bias, k.compute, 0.0)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     y = output_pool.POOL.empty((plan.rows, plan.cols), x.dtype) if out is None else out
@@ -112,8 +112,8 @@ def add_normalize(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """Both fused ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
     long = k.long
-    w = k.ones if weight is None else _parameter(weight, k.compute)
-    b = k.zeros if bias is None else _parameter(bias, k.compute)
+    w = k.ones if weight is None else _parameter(weight, k.compute, plan.weight_offset)
+    b = k.zeros if bias is None else _parameter(bias, k.compute, 0.0)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     shape = (plan.rows, plan.cols)
@@ -166,7 +166,7 @@ def backward(
     compute = np.float64 if plan.compute_dtype == "float64" else np.float32
     rows, cols = plan.rows, plan.cols
     chunks = -(-rows // ROW_CHUNK)
-    w = None if weight is None else _parameter(weight, compute)
+    w = None if weight is None else _parameter(weight, compute, plan.weight_offset)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
     dx = output_pool.POOL.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
@@ -198,10 +198,10 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
     :class:`~normlab.backends.numba_family.Family`): :func:`normalize` of a call on the calling
     thread without out or statistics, the same kernel on the same arguments."""
     compute, bits, shape = k.compute, k.bits, (plan.rows, plan.cols)
-    eps, no_stats, stop = plan.eps, k.no_stats, plan.rows
+    eps, no_stats, stop, offset = plan.eps, k.no_stats, plan.rows, plan.weight_offset
 
     def run(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None] | None:
-        params = _array_params(weight, bias, k, compute)
+        params = _array_params(weight, bias, k, compute, offset)
         if params is None:
             return None
         w, b = params
@@ -222,10 +222,10 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     a call on the calling thread without outputs given or statistics, the same kernel on the
     same arguments."""
     compute, bits, shape, keep_h = k.compute, k.bits, (plan.rows, plan.cols), plan.return_residual
-    eps, no_stats, stop = plan.eps, k.no_stats, plan.rows
+    eps, no_stats, stop, offset = plan.eps, k.no_stats, plan.rows, plan.weight_offset
 
     def run(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...] | None:
-        params = _array_params(weight, bias, k, compute)
+        params = _array_params(weight, bias, k, compute, offset)
         if params is None:
             return None
         w, b = params
@@ -244,13 +244,18 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     return run
 
 
-def _array_params(weight: Any, bias: Any, k: KernelTypes, compute: Any) -> tuple[Any, Any] | None:
-    """Weight and bias as the serial kernels read them (the stand-ins for absent ones), or None
-    when one must be converted first (:func:`_parameter`: another dtype, not C-contiguous)."""
+def _array_params(
+    weight: Any, bias: Any, k: KernelTypes, compute: Any, offset: float
+) -> tuple[Any, Any] | None:
+    """Weight (plus ``offset``) and bias as the serial kernels read them (the stand-ins for
+    absent ones), or None when one must be converted first (:func:`_parameter`: another dtype,
+    not C-contiguous)."""
     if weight is None:
         weight = k.ones
     elif not (weight.dtype == compute and weight.flags.c_contiguous):
         return None
+    elif offset:
+        weight = _parameter(weight, compute, offset)
     if bias is None:
         bias = k.zeros
     elif not (bias.dtype == compute and bias.flags.c_contiguous):
@@ -320,11 +325,15 @@ def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(y.__array_interface__["data"][0] == data and y.strides == x.strides)
 
 
-def _parameter(p: Any, compute: Any) -> np.ndarray:
-    """A weight or bias as a contiguous compute-dtype array (``p`` itself when it is one)."""
+def _parameter(p: Any, compute: Any, offset: float) -> np.ndarray:
+    """A weight or bias as a contiguous compute-dtype array (``p`` itself when it is one),
+    plus ``offset`` (``plan.weight_offset``; 0 for a bias) added in the compute dtype: the bits
+    of ``compute(p) + offset`` (:mod:`normlab.parameters`)."""
     if p.dtype == compute and p.flags.c_contiguous:
-        return p  # type: ignore[no-any-return]
-    return np.ascontiguousarray(p, dtype=compute)
+        formed = p
+    else:
+        formed = np.ascontiguousarray(p, dtype=compute)
+    return formed + np.dtype(compute).type(offset) if offset else formed  # type: ignore[no-any-return]
 
 
 #: The NumPy family's adapter.

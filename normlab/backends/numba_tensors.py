@@ -185,7 +185,7 @@ def _normalize_at(
         y = _tensor_output(x, plan) if out is None else out
         args = (
             e, k.compute_like, p_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
-            plan.rows, plan.cols, float(plan.eps), mean, rstd, centre,
+            float(plan.weight_offset), plan.rows, plan.cols, float(plan.eps), mean, rstd, centre,
         )  # fmt: skip
         kernel: Any = layer_norm_rows_at if threads == 1 else layer_norm_rows_parallel_at
         tail = (0, plan.rows) if threads == 1 else (threads,)
@@ -235,8 +235,8 @@ def _add_normalize_at(
         h_like = None if h is None else e
         args = (
             e, k.compute_like, p_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
-            0 if h is None else h.data_ptr(), w_at, b_at, plan.rows, plan.cols,
-            float(plan.eps), mean, rstd, centre,
+            0 if h is None else h.data_ptr(), w_at, b_at, float(plan.weight_offset),
+            plan.rows, plan.cols, float(plan.eps), mean, rstd, centre,
         )  # fmt: skip
         kernel: Any = add_norm_rows_at if threads == 1 else add_norm_rows_parallel_at
         tail = (0, plan.rows) if threads == 1 else (threads,)
@@ -266,6 +266,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
     empty_like, itemsize = _torch().empty_like, k.element.itemsize
     element, compute_like, compute = k.element, k.compute_like, _torch_compute(k.compute)
     rows, cols, eps, no_stats = plan.rows, plan.cols, float(plan.eps), k.no_stats
+    offset = float(plan.weight_offset)
     entries, name = k.entries, "layer_norm_rows_at"
     half_name = _entry_name(name, k, element)
     entry, half_entry = entries.get(name), entries.get(half_name)
@@ -285,7 +286,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
                 return None
         y = empty_like(x)
         kernel(
-            element, compute_like, p_like, x_at, y.data_ptr(), w_at, b_at,
+            element, compute_like, p_like, x_at, y.data_ptr(), w_at, b_at, offset,
             rows, cols, eps, no_stats, no_stats, centre, 0, rows,
         )  # fmt: skip
         return y, None, None
@@ -301,6 +302,7 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     element, compute_like, compute = k.element, k.compute_like, _torch_compute(k.compute)
     h_like = element if keep_h else None
     rows, cols, eps, no_stats = plan.rows, plan.cols, float(plan.eps), k.no_stats
+    offset = float(plan.weight_offset)
     entries, name = k.entries, "add_norm_rows_at with h" if keep_h else "add_norm_rows_at"
     half_name = _entry_name(name, k, element)
     entry, half_entry = entries.get(name), entries.get(half_name)
@@ -327,7 +329,7 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
         h = empty_like(x) if keep_h else None
         kernel(
             element, compute_like, p_like, h_like, x_at, r_at, y.data_ptr(),
-            0 if h is None else h.data_ptr(), w_at, b_at,
+            0 if h is None else h.data_ptr(), w_at, b_at, offset,
             rows, cols, eps, no_stats, no_stats, centre, 0, rows,
         )  # fmt: skip
         return y, h, None, None

@@ -13,6 +13,7 @@ import pytest
 import normlab
 from normlab.hookspecs import Plan
 from normlab.testing.bitwise import same_bits
+from normlab.testing.conversions import to_numpy
 from tests.support import mutants
 
 ROWS, COLS = 48, 200
@@ -90,9 +91,49 @@ def test_backward_gradients_in_the_weights_dtype() -> None:
     assert same_bits(dw, want[1].astype(w.dtype))
 
 
-def test_explain_says_the_core_forms_the_parameters() -> None:
-    text = normlab.explain(_x(), weight=_weight(ml_dtypes.bfloat16), weight_offset=1.0)
+def test_explain_says_who_forms_the_parameters() -> None:
+    """numba declares ``weight_offset`` and ``parameter_dtypes``: it forms them itself; for the
+    numpy backend (neither) the core does."""
+    x, w = _x(), _weight(ml_dtypes.bfloat16)
+    text = normlab.explain(x, weight=w, weight_offset=1.0, backend="numba")
+    assert "numba takes them as given and forms weight_offset + weight (1.0 + bfloat16)" in text
+    text = normlab.explain(x, weight=w, weight_offset=1.0, backend="numpy")
     assert "parameters: the core forms weight_offset + weight (1.0 + bfloat16) in float32" in text
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize("rows", [1, 5, 4096])
+def test_numba_forms_the_parameters_as_the_core_does(arrays: str, op: str, rows: int) -> None:
+    """numba's own forming (an offset added after widening, a weight of another dtype
+    converted, in its pass over the parameters) gives the bits of the core's: one token, a few
+    rows on the calling thread, many on the pool's threads; half x and float32 x; NumPy arrays
+    and CPU tensors (whose C-contiguous rows go to the kernels by address)."""
+    convert = _converter(arrays)
+    function = getattr(normlab, op)
+    for x_dtype, w_dtype in ((ml_dtypes.bfloat16, ml_dtypes.bfloat16), (np.float32, np.float16)):
+        x = convert(_x(x_dtype, rows=rows))
+        extra = (convert(_x(x_dtype, rows=rows, seed=5)),) if op.startswith("add_") else ()
+        w = _weight(w_dtype)
+        b = _weight(np.float64) if op.endswith("layer_norm") else None
+        given = {"weight": convert(w)} if b is None else {"weight": convert(w), "bias": convert(b)}
+        native = function(x, *extra, weight_offset=1.0, backend="numba", **given)
+        formed = {"weight": convert(w.astype(np.float32) + np.float32(1))}
+        if b is not None:
+            formed["bias"] = convert(b.astype(np.float32))
+        want = function(x, *extra, backend="numba", **formed)
+        pairs = zip(native, want, strict=True) if extra else [(native, want)]
+        assert all(same_bits(to_numpy(a), to_numpy(b)) for a, b in pairs), (op, rows, x_dtype)
+
+
+def _converter(arrays: str) -> Any:
+    """The function giving a NumPy array as the family ``arrays`` holds it."""
+    if arrays == "numpy":
+        return lambda a: a
+    pytest.importorskip("torch")
+    from normlab.backends.torch_backend import from_numpy
+
+    return from_numpy
 
 
 def test_a_backend_declaring_the_capability_gets_the_offset() -> None:

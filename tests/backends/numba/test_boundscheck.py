@@ -138,12 +138,12 @@ def test_address_entries_are_compiled_with_bounds_checks(tmp_path: Path) -> None
     def by_address(stop, fused):
         if fused:
             add_norm_rows_at(
-                x, w, w, x, at(x), at(r), at(y), at(h), at(w), at(b), 3, 4, 1e-5, stats, stats,
+                x, w, w, x, at(x), at(r), at(y), at(h), at(w), at(b), 0.0, 3, 4, 1e-5, stats, stats,
                 True, 0, stop,
             )
         else:
             layer_norm_rows_at(
-                x, w, w, at(x), at(y), at(w), at(b), 3, 4, 1e-5, stats, stats, True, 0, stop
+                x, w, w, at(x), at(y), at(w), at(b), 0.0, 3, 4, 1e-5, stats, stats, True, 0, stop
             )
     outcomes = []
     for fused in (False, True):
