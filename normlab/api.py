@@ -74,20 +74,20 @@ def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
 
 
 def _reshaped(op: Op, call: spec.Call, args: tuple[Any, ...], named: str | None) -> Any:
-    """A call the core reshapes before a backend sees it: a composed casting order
-    (:mod:`normlab.casting`) or a float32 residual stream beside half x
-    (:mod:`normlab.residual_stream`), whose own ops run through :func:`_run` again; parameters
-    the backend, as the call runs it, does not take as given (an offset, another dtype), formed
-    first (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
+    """A call the core reshapes before a backend sees it, unless the backend, as the call runs
+    it, takes it as given: a composed casting order (:mod:`normlab.casting`) or a float32
+    residual stream beside half x (:mod:`normlab.residual_stream`), whose own ops run through
+    :func:`_run` again; parameters (an offset, another dtype), formed first
+    (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
     if call.casting != "exact":
         return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
-    if call.residual_stream:
-        return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
     choice = dispatch.choose(call.plan, named)
     if not _composed(op, call, choice):
         seen = _seen(op, call, choice, args)
-        if parameters.native(call, seen):
+        if parameters.native(call, seen) and residual_stream.native(call, seen):
             return _ran(op, call, seen, args, args)
+    if call.residual_stream:
+        return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
     formed = parameters.composed(call, args)
     formed_call = spec.validated(op, formed)
     return _routed(op, formed_call, dispatch.choose(formed_call.plan, named), formed, args)

@@ -71,9 +71,9 @@ Array API standard (exposes ``__array_namespace__``, no inspector of its own).
 The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
 ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
-``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``weight_offset``, ``device``,
-and for context ``shape``, ``axes``, ``batch_axes`` and ``normalized_shape`` (the caller's view
-of the call).
+``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``weight_offset``,
+``residual_dtype``, ``device``, and for context ``shape``, ``axes``, ``batch_axes`` and
+``normalized_shape`` (the caller's view of the call).
 The rest of a Plan is the core's routing.
 """
 
@@ -116,6 +116,9 @@ CAPABILITIES: Final = frozenset(
         # provides an op's backward op is run by the core through normlab's custom ops)
         "weight_offset",  # applies ``plan.weight_offset`` itself: y = x̂ · (offset + weight)
         # (without it, the core passes ``offset + weight`` as the weight, and an offset of 0)
+        "residual_stream",  # fused ops: takes a float32 residual (and residual_out) beside
+        # half x, ``plan.residual_dtype``: h = float32(x) + residual kept in float32, y the
+        # norm of that h in x's dtype (without it, the core adds h and runs the base op on it)
         "parameter_dtypes",  # takes a weight and bias of any float dtype, each its own
         # (``plan.weight_dtype``, ``plan.bias_dtype``), and computes with them converted to the
         # compute dtype; parameter gradients in the compute dtype (without it, the core passes
@@ -167,6 +170,11 @@ class Plan:
     #: RMSNorm, Transformer Engine's ``zero_centered_gamma``: 1.0). Nonzero only for a backend
     #: that declares the capability ``"weight_offset"``; the others get the sum as the weight.
     weight_offset: float = 0.0
+    #: Fused ops: the dtype of ``residual`` and of ``h`` when it is not x's (float32 beside
+    #: float16/bfloat16 x: a float32 residual stream, ``h = float32(x) + residual`` kept in
+    #: float32 and ``y`` the norm of that ``h`` in x's dtype). Set only for a backend that
+    #: declares the capability ``"residual_stream"``; None otherwise.
+    residual_dtype: str | None = None
 
     @property
     def has_weight(self) -> bool:
@@ -202,6 +210,7 @@ PLAN_FIELDS: Final = (
     "has_weight",
     "has_bias",
     "weight_offset",
+    "residual_dtype",
     "device",
     "shape",
     "axes",

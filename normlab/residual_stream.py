@@ -5,10 +5,12 @@ Models that keep their residual stream in float32 while the blocks compute in ha
 the stream in float32: ``h = float32(x) + residual``, kept in float32 (written to
 ``residual_out``, returned), and ``y`` is the norm of that unrounded ``h``, in x's dtype.
 
-The core serves such a call whatever the backend (fused kernels take a residual in x's dtype):
-the family's conversion and add, then the base op (``layer_norm``/``rms_norm``) of the float32
-``h`` as any call of it (validated, chosen, parameters formed, seen by torch's autograd), then
-``y`` rounded to x's dtype (written into ``out`` when given). Every step is elementwise or per
+A backend whose record declares the capability ``"residual_stream"`` (the numba backend) takes
+such a call as given (``plan.residual_dtype``: :func:`native`). For the others (and under
+normlab's custom ops) the core serves it (:func:`run`): the family's conversion and add, then
+the base op (``layer_norm``/``rms_norm``) of the float32 ``h`` as any call of it (validated,
+chosen, parameters formed, seen by torch's autograd), then ``y`` rounded to x's dtype (written
+into ``out`` when given). Every step is elementwise or per
 row, so a row's bits do not depend on its batch.
 """
 
@@ -18,11 +20,18 @@ from collections.abc import Callable
 from typing import Any
 
 from normlab import arrays
+from normlab.dispatch import Choice
 from normlab.ops import OPS, Op
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
 
-__all__ = ["run"]
+__all__ = ["native", "run"]
+
+
+def native(call: Call, choice: Choice) -> bool:
+    """Whether the chosen backend (as the call runs it) takes ``call`` as given: no float32
+    stream, or a backend that declares ``"residual_stream"``."""
+    return not call.residual_stream or "residual_stream" in choice.backend.capabilities
 
 
 def run(call: Call, args: tuple[Any, ...], base_run: Callable[[Op, tuple[Any, ...]], Any]) -> Any:

@@ -82,7 +82,9 @@ BUILTIN_RECORDS: Final = (
         dtypes=_FLOATS,
         priority=20,
         ops=_OPS | _FUSED_OPS,
-        capabilities=frozenset({"strided", "out", "inplace", "weight_offset", "parameter_dtypes"}),
+        capabilities=frozenset(
+            {"strided", "out", "inplace", "weight_offset", "parameter_dtypes", "residual_stream"}
+        ),
         zero_copy_families=frozenset({"torch"}),
         check=_numba_check,
         costs=_COSTS.get("numba", {}),

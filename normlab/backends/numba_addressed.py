@@ -10,14 +10,16 @@ thread (``*_at``) or on numba's threads, a range of rows each (``*_parallel_at``
 :func:`~normlab.backends.numba_fused.add_norm_rows`), so the results are bit for bit the NumPy
 call's. Types come from numba's own dispatch on the other arguments: ``x_like`` is an array of
 the kernels' element type for x (x's dtype, or the bit-pattern integer type of a half dtype),
+``r_like`` one of the type of the residual and h (x's, or float32 for a float32 stream),
 ``w_like`` one of the compute dtype and ``p_like`` one of the type weight and bias are stored in
 (the compute dtype, or x's half type: then they are widened to the compute dtype once per call,
 exactly, as ``Tensor.float()`` would); the addresses are integers.
 
 The caller guarantees what the views assume: each address is element 0 of live, C-contiguous
-memory aligned to its element type, of ``rows * cols`` elements of ``x_like``'s type (x,
-residual, y, h) or ``cols`` of ``p_like``'s (weight, bias), and ``y`` and ``h`` share no memory
-with each other or the inputs. The statistics arrays are passed as arrays, as to the kernels.
+memory aligned to its element type, of ``rows * cols`` elements of ``x_like``'s type (x, y) or
+``r_like``'s (residual, h), or ``cols`` of ``p_like``'s (weight, bias), and ``y`` and ``h``
+share no memory with each other or the inputs. The statistics arrays are passed as arrays, as
+to the kernels.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def add_norm_rows_at(
     x_like: Any,
     w_like: Any,
     p_like: Any,
+    r_like: Any,
     h_like: Any,
     x_at: int,
     r_at: int,
@@ -142,17 +145,18 @@ def add_norm_rows_at(
     start: int,
     stop: int,
 ) -> None:
-    # add_norm_rows: x, residual, y and h (rows, cols) of x_like's type; h written unless
-    # h_like is None (then h_at is not read); the others as in layer_norm_rows_at.
+    # add_norm_rows: x and y (rows, cols) of x_like's type, residual and h of r_like's (x's,
+    # or float32 beside half x: a float32 stream); h written unless h_like is None (then h_at
+    # is not read); the others as in layer_norm_rows_at.
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
-    r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
+    r = carray(_pointer(r_at), (rows, cols), r_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
     w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
     b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
     if h_like is None:
         add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
     else:
-        h = carray(_pointer(h_at), (rows, cols), x_like.dtype)
+        h = carray(_pointer(h_at), (rows, cols), r_like.dtype)
         add_norm_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, stop)
 
 
@@ -190,6 +194,7 @@ def add_norm_rows_parallel_at(
     x_like: Any,
     w_like: Any,
     p_like: Any,
+    r_like: Any,
     h_like: Any,
     x_at: int,
     r_at: int,
@@ -208,7 +213,7 @@ def add_norm_rows_parallel_at(
 ) -> None:
     # add_norm_rows_at over all rows in `chunks` parallel ranges (as layer_norm_rows_parallel_at).
     x = carray(_pointer(x_at), (rows, cols), x_like.dtype)
-    r = carray(_pointer(r_at), (rows, cols), x_like.dtype)
+    r = carray(_pointer(r_at), (rows, cols), r_like.dtype)
     y = carray(_pointer(y_at), (rows, cols), x_like.dtype)
     w = parameter(carray(_pointer(w_at), cols, p_like.dtype), w_like, offset)
     b = parameter(carray(_pointer(b_at), cols, p_like.dtype), w_like, 0.0)
@@ -217,7 +222,7 @@ def add_norm_rows_parallel_at(
             start, stop = rows * c // chunks, rows * (c + 1) // chunks
             add_norm_rows(x, r, y, None, w, b, eps, mean, rstd, centre, start, stop)
     else:
-        h = carray(_pointer(h_at), (rows, cols), x_like.dtype)
+        h = carray(_pointer(h_at), (rows, cols), r_like.dtype)
         for c in prange(chunks):
             start, stop = rows * c // chunks, rows * (c + 1) // chunks
             add_norm_rows(x, r, y, h, w, b, eps, mean, rstd, centre, start, stop)

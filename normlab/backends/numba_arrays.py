@@ -110,7 +110,9 @@ def add_normalize(
     residual_out: np.ndarray | None,
     centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """Both fused ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
+    """Both fused ops: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm).
+    ``residual`` (and ``residual_out``, h) of x's dtype, or float32 beside half x
+    (``plan.residual_dtype``: a float32 stream, h kept in float32)."""
     long = k.long
     w = k.ones if weight is None else _parameter(weight, k.compute, plan.weight_offset)
     b = k.zeros if bias is None else _parameter(bias, k.compute, 0.0)
@@ -120,19 +122,24 @@ def add_normalize(
     y = output_pool.POOL.empty(shape, x.dtype) if out is None else out
     h = None
     if plan.return_residual:
-        h = output_pool.POOL.empty(shape, x.dtype) if residual_out is None else residual_out
-    if k.bits is None:
-        x_bits, r_bits, y_bits, h_bits = x, residual, y, h
-    else:
-        x_bits, r_bits, y_bits = x.view(k.bits), residual.view(k.bits), y.view(k.bits)
-        h_bits = None if h is None else h.view(k.bits)
+        h = output_pool.POOL.empty(shape, residual.dtype) if residual_out is None else residual_out
+    h_dtype = plan.residual_dtype or plan.dtype
+    x_bits, y_bits = _as_bits(x, plan.dtype), _as_bits(y, plan.dtype)
+    r_bits = _as_bits(residual, h_dtype)
+    h_bits = None if h is None else _as_bits(h, h_dtype)
     threads = POOL.acquire(forward_work(plan, k) if long or plan.rows > 1 else 0)
     try:
         if long:
-            # not fused: h into its output (or, not returned, into y), then normalized from there
-            h_target = y_bits if h_bits is None else h_bits
+            # not fused: h into its output (or, not returned, into y, or a float32 stream's
+            # into a scratch array), then normalized from there
+            in_place: np.ndarray | None = y_bits
+            if h_bits is not None:
+                h_target = h_bits
+            elif plan.residual_dtype is not None:
+                h_target = np.empty(shape, residual.dtype)
+            else:
+                h_target, in_place = y_bits, None
             _add_rows((x_bits, r_bits, h_target), threads)
-            in_place = None if h_bits is None else y_bits
             row_args = (h_target, in_place, w, b, plan.eps, mean, rstd, centre)
             if threads > 1:
                 _long_rows_parallel(row_args, threads)
@@ -221,8 +228,10 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     """The serial fused kernel of ``plan`` on NumPy arrays as they are: :func:`add_normalize` of
     a call on the calling thread without outputs given or statistics, the same kernel on the
     same arguments."""
-    compute, bits, shape, keep_h = k.compute, k.bits, (plan.rows, plan.cols), plan.return_residual
+    compute, shape, keep_h = k.compute, (plan.rows, plan.cols), plan.return_residual
     eps, no_stats, stop, offset = plan.eps, k.no_stats, plan.rows, plan.weight_offset
+    # the bit-pattern types the kernel reads x and y, residual and h as (None: their own)
+    x_type, h_type = BITS.get(plan.dtype), BITS.get(plan.residual_dtype or plan.dtype)
 
     def run(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...] | None:
         params = _array_params(weight, bias, k, compute, offset)
@@ -230,15 +239,15 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
             return None
         w, b = params
         y = np.empty(shape, x.dtype)
-        h = np.empty(shape, x.dtype) if keep_h else None
-        if bits is None:
-            add_norm_rows(x, residual, y, h, w, b, eps, no_stats, no_stats, centre, 0, stop)
+        h = np.empty(shape, residual.dtype) if keep_h else None
+        if x_type is not None:
+            x, y_bits = x.view(x_type), y.view(x_type)
         else:
-            h_bits: Any = None if h is None else h.view(bits)
-            add_norm_rows(
-                x.view(bits), residual.view(bits), y.view(bits), h_bits,
-                w, b, eps, no_stats, no_stats, centre, 0, stop,
-            )  # fmt: skip
+            y_bits = y
+        if h_type is not None:
+            residual = residual.view(h_type)
+        h_kernel: Any = h if h is None or h_type is None else h.view(h_type)
+        add_norm_rows(x, residual, y_bits, h_kernel, w, b, eps, no_stats, no_stats, centre, 0, stop)
         return y, h, None, None
 
     return run

@@ -1,6 +1,7 @@
 """The Numba kernels of the fused residual-add ops ``add_layer_norm`` and ``add_rms_norm``: per
-row, ``h = x + residual`` rounded to x's dtype, then LayerNorm (``centre``) or RMSNorm of that
-rounded ``h``. The backend functions that call them are in :mod:`normlab.backends.numba_arrays`.
+row, ``h = x + residual`` rounded to the residual's dtype (x's; float32 for a float32 residual
+stream beside half x), then LayerNorm (``centre``) or RMSNorm of that rounded ``h``. The
+backend functions that call them are in :mod:`normlab.backends.numba_arrays`.
 
 A row is processed in this order, which is what lets the outputs be the very memory of the
 inputs (``out`` that of x or residual, the ``h`` output that of residual or x, never both the
@@ -15,7 +16,8 @@ statistics are, bit for bit, those ``layer_norm_rows`` gives for the rounded h, 
 the unfused add.
 
 The add: float32 and float64 add in their own dtype; float16 and bfloat16 (bit patterns, as in
-the forward kernels) are widened to float32, added, and rounded once to their type, as NumPy
+the forward kernels) are widened to float32, added, and rounded once to the residual's type
+(a float32 stream: h is the float32 sum itself, and y that of the unrounded h), as NumPy
 (float16), ml_dtypes and torch (bfloat16) add them. It is compiled without fast-math
 (:func:`add_exact`), so it is never merged with the sums that follow: y is always that of the
 rounded h.
@@ -55,7 +57,7 @@ __all__ = [
 
 
 def add_row(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
-    """``h = xr + rr`` rounded to xr's element type, written into ``hr``, or (``hr`` None, h
+    """``h = xr + rr`` rounded to rr's element type (h's), written into ``hr``, or (``hr`` None, h
     not returned) as compute-dtype values into ``scratch``; returns h as a contiguous
     compute-dtype row: ``hr`` itself where it is one (``source_row``), else ``scratch``. Each
     element of ``hr`` is written after the same element of ``xr`` and ``rr`` is read: ``hr``
@@ -90,7 +92,7 @@ def _add_kept(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     # h stored once, into hr, then read back (from L1) as the row's source: storing it into
     # scratch as well cost 25% on rows of 768 float32
     for j in range(xr.shape[0]):
-        hr[j] = store(add_exact(load(xr[j]), load(rr[j])), xr)
+        hr[j] = store(add_exact(load(xr[j]), load(rr[j])), rr)
     return source_row(hr, scratch)
 
 
@@ -99,7 +101,7 @@ def _add_kept_gathered(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     # is gathered into scratch in the same sweep, from the rounded value just stored (a second
     # sweep converting hr back cost about a tenth of a float16 call)
     for j in range(xr.shape[0]):
-        rounded = store(add_exact(load(xr[j]), load(rr[j])), xr)
+        rounded = store(add_exact(load(xr[j]), load(rr[j])), rr)
         hr[j] = rounded
         scratch[j] = load(rounded)
     return scratch
@@ -107,7 +109,7 @@ def _add_kept_gathered(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
 
 def _add_dropped(xr: Any, rr: Any, hr: Any, scratch: Any) -> Any:
     for j in range(xr.shape[0]):
-        scratch[j] = load(store(add_exact(load(xr[j]), load(rr[j])), xr))
+        scratch[j] = load(store(add_exact(load(xr[j]), load(rr[j])), rr))
     return scratch
 
 
@@ -162,9 +164,10 @@ def add_norm_rows(
     stop: int,
 ) -> None:
     # Fused add + LayerNorm (centre) or RMSNorm of rows start..stop-1, on this thread.
-    # x, r: 2-D (rows, cols), any strides; elements as in numba_forward's table (same type).
-    # y: 2-D like x, to receive y; may be x's or r's memory. h: 2-D like x to receive h (may
-    # be r's or x's memory, never y's), or None (h not returned: it lives in the scratch row).
+    # x, r: 2-D (rows, cols), any strides; elements as in numba_forward's table (r of x's
+    # type, or float32 beside half x: a float32 stream). y: 2-D like x, to receive y; may be
+    # x's or r's memory. h: 2-D like r to receive h (may be r's or x's memory, never y's), or
+    # None (h not returned: it lives in the scratch row).
     # w, b, eps, mean, rstd, centre: as in numba_forward.layer_norm_rows.
     # A wide row is left unwritten, as layer_norm_rows leaves it (an empty span, not a branch:
     # a branch in this loop cost 11% on rows of 768 float32), and redone by _wide_add_rows.
@@ -246,12 +249,13 @@ def add_norm_rows_parallel(
 
 @njit(error_model="numpy", cache=True)
 def add_rows(x: Any, r: Any, h: Any, start: int, stop: int) -> None:
-    # h = x + r, rounded to x's element type, for rows start..stop-1 (the long rows' add).
-    # x, r, h: 2-D like x, any strides; h may be x's or r's memory.
+    # h = x + r, rounded to r's element type, for rows start..stop-1 (the long rows' add).
+    # x, r, h: 2-D, any strides, r and h of one type (x's, or float32 beside half x: a float32
+    # stream); h may be x's or r's memory.
     for i in range(start, stop):
         xr, rr, hr = x[i], r[i], h[i]
         for j in range(xr.shape[0]):
-            hr[j] = store(add_exact(load(xr[j]), load(rr[j])), xr)
+            hr[j] = store(add_exact(load(xr[j]), load(rr[j])), rr)
 
 
 @njit(parallel=True, error_model="numpy", cache=True)

@@ -104,18 +104,20 @@ def add_normalize(
     :func:`numba_arrays.add_normalize` on NumPy views."""
     _refuse_graph(plan)
     n = k.element.itemsize
+    h_dtype = plan.residual_dtype or plan.dtype
+    r_n = residual.element_size()
     if (  # the fused kernels write y and h over x or residual themselves (in place)
         not k.long
         and _addressable(x, n)
-        and _addressable(residual, n)
+        and _addressable(residual, r_n)
         and (out is None or _addressable(out, n))
-        and (residual_out is None or _addressable(residual_out, n))
+        and (residual_out is None or _addressable(residual_out, r_n))
     ):
         return _add_normalize_at(x, residual, weight, bias, plan, k, centre, out, residual_out)
-    bfloat16 = plan.dtype == "bfloat16"
-    x_np, r_np = _tensor_as_numpy(x, bfloat16), _tensor_as_numpy(residual, bfloat16)
+    bfloat16, h_bfloat16 = plan.dtype == "bfloat16", h_dtype == "bfloat16"
+    x_np, r_np = _tensor_as_numpy(x, bfloat16), _tensor_as_numpy(residual, h_bfloat16)
     out_np = None if out is None else _tensor_as_numpy(out, bfloat16)
-    h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out, bfloat16)
+    h_out_np = None if residual_out is None else _tensor_as_numpy(residual_out, h_bfloat16)
     weight = _tensor_parameter(weight, k.compute)
     bias = _tensor_parameter(bias, k.compute)
     y_np, h_np, mean, rstd = numba_arrays.add_normalize(
@@ -126,7 +128,7 @@ def add_normalize(
     y = out if out is not None else _numpy_as_tensor(y_np, plan.dtype)
     h = None
     if h_np is not None:
-        h = residual_out if residual_out is not None else _numpy_as_tensor(h_np, plan.dtype)
+        h = residual_out if residual_out is not None else _numpy_as_tensor(h_np, h_dtype)
     return (
         y,
         h,
@@ -182,7 +184,7 @@ def _normalize_at(
     e = k.element
     threads = 1 if always_serial(plan, k) else POOL.acquire(forward_work(plan, k))
     try:
-        y = _tensor_output(x, plan) if out is None else out
+        y = _tensor_output(x, plan.dtype, plan) if out is None else out
         args = (
             e, k.compute_like, p_like, x.data_ptr(), y.data_ptr(), w_at, b_at,
             float(plan.weight_offset), plan.rows, plan.cols, float(plan.eps), mean, rstd, centre,
@@ -228,25 +230,27 @@ def _add_normalize_at(
     e = k.element
     threads = 1 if always_serial(plan, k) else POOL.acquire(forward_work(plan, k))
     try:
-        y = _tensor_output(x, plan) if out is None else out
+        y = _tensor_output(x, plan.dtype, plan) if out is None else out
         h = residual_out
         if h is None and plan.return_residual:
-            h = _tensor_output(x, plan)
-        h_like = None if h is None else e
+            h = _tensor_output(residual, plan.residual_dtype or plan.dtype, plan)
+        r_like = e if plan.residual_dtype is None else _STREAM
+        h_like = None if h is None else r_like
         args = (
-            e, k.compute_like, p_like, h_like, x.data_ptr(), residual.data_ptr(), y.data_ptr(),
+            e, k.compute_like, p_like, r_like, h_like, x.data_ptr(), residual.data_ptr(),
+            y.data_ptr(),
             0 if h is None else h.data_ptr(), w_at, b_at, float(plan.weight_offset),
             plan.rows, plan.cols, float(plan.eps), mean, rstd, centre,
         )  # fmt: skip
         kernel: Any = add_norm_rows_at if threads == 1 else add_norm_rows_parallel_at
         tail = (0, plan.rows) if threads == 1 else (threads,)
-        name = _entry_name(f"{kernel.__name__}{'' if h is None else ' with h'}", k, p_like)
+        name = _entry_name(_add_entry(kernel.__name__, h is not None, plan), k, p_like)
         entry = k.entries.get(name)
         if entry is not None:
             entry(*args, *tail)
         else:  # see load_serial_first: the kernel's own copy runs
             add_norm_rows(
-                e, e, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0
+                e, r_like, e, h_like, k.ones, k.zeros, 0.0, k.no_stats, k.no_stats, centre, 0, 0
             )
             k.entries[name] = _entry_point(kernel, (*args, *tail))
     finally:
@@ -300,10 +304,11 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     :func:`_tensor_params` reads them, through the entry point its first call took."""
     empty_like, itemsize, keep_h = _torch().empty_like, k.element.itemsize, plan.return_residual
     element, compute_like, compute = k.element, k.compute_like, _torch_compute(k.compute)
-    h_like = element if keep_h else None
+    r_like = element if plan.residual_dtype is None else _STREAM
+    r_itemsize, h_like = r_like.itemsize, r_like if keep_h else None
     rows, cols, eps, no_stats = plan.rows, plan.cols, float(plan.eps), k.no_stats
     offset = float(plan.weight_offset)
-    entries, name = k.entries, "add_norm_rows_at with h" if keep_h else "add_norm_rows_at"
+    entries, name = k.entries, _add_entry("add_norm_rows_at", keep_h, plan)
     half_name = _entry_name(name, k, element)
     entry, half_entry = entries.get(name), entries.get(half_name)
 
@@ -313,7 +318,8 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
         params = _tensor_params(weight, bias, k, compute, x)
         if (
             params is None
-            or (x_at | r_at) % itemsize  # itemsize is a power of two
+            or x_at % itemsize
+            or r_at % r_itemsize
             or not x.is_contiguous()
             or not residual.is_contiguous()
         ):
@@ -326,9 +332,9 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
             if kernel is None:
                 return None
         y = empty_like(x)
-        h = empty_like(x) if keep_h else None
+        h = empty_like(residual) if keep_h else None
         kernel(
-            element, compute_like, p_like, h_like, x_at, r_at, y.data_ptr(),
+            element, compute_like, p_like, r_like, h_like, x_at, r_at, y.data_ptr(),
             0 if h is None else h.data_ptr(), w_at, b_at, offset,
             rows, cols, eps, no_stats, no_stats, centre, 0, rows,
         )  # fmt: skip
@@ -392,6 +398,17 @@ def _tensor_address(p: Any, k: KernelTypes, absent: int) -> tuple[int, Any]:
     return kept.data_ptr(), kept
 
 
+def _add_entry(kernel: str, keep_h: bool, plan: Plan) -> str:
+    """The name of a fused address entry for ``plan``: with h or without, on a float32 stream
+    or a residual of x's dtype (each another specialization)."""
+    stream = "" if plan.residual_dtype is None else " on a float32 stream"
+    return f"{kernel}{' with h' if keep_h else ''}{stream}"
+
+
+#: The residual's (and h's) type for the fused address entries on a float32 stream.
+_STREAM: Final = np.empty((0, 0), np.float32)
+
+
 def _entry_name(name: str, k: KernelTypes, p_like: Any) -> str:
     """The key in ``k.entries`` of the address entry ``name`` for parameters stored as
     ``p_like``: those stored in x's half dtype make another specialization."""
@@ -422,13 +439,14 @@ def _addressable(t: Any, itemsize: int) -> bool:
     return address != 0 and address % itemsize == 0  # type: ignore[no-any-return]
 
 
-def _tensor_output(x: Any, plan: Plan) -> Any:
-    """A new C-contiguous tensor like ``x``: from the output pool when it is large (a fresh
-    large tensor page-faults), else ``torch.empty_like``."""
-    if plan.rows * plan.cols * x.element_size() < output_pool.MIN_BYTES:
-        return _torch().empty_like(x, memory_format=_torch().contiguous_format)
-    stored = _TENSOR_STORAGE[plan.dtype]
-    return _numpy_as_tensor(output_pool.POOL.empty((plan.rows, plan.cols), stored), plan.dtype)
+def _tensor_output(like: Any, dtype: str, plan: Plan) -> Any:
+    """A new C-contiguous tensor like ``like`` (of dtype ``dtype``, ``(plan.rows, plan.cols)``):
+    from the output pool when it is large (a fresh large tensor page-faults), else
+    ``torch.empty_like``."""
+    if plan.rows * plan.cols * like.element_size() < output_pool.MIN_BYTES:
+        return _torch().empty_like(like, memory_format=_torch().contiguous_format)
+    stored = _TENSOR_STORAGE[dtype]
+    return _numpy_as_tensor(output_pool.POOL.empty((plan.rows, plan.cols), stored), dtype)
 
 
 #: The NumPy dtype a pooled tensor output of each dtype is made from (bfloat16: its bits).

@@ -138,6 +138,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         requires_grad=requires_grad,
         return_residual=return_residual,
         weight_offset=weight_offset,
+        residual_dtype=None if h_dtype == xi.dtype else h_dtype,
     )
     return Call(
         op=op,
@@ -236,6 +237,7 @@ def _plan(
     requires_grad: bool,
     return_residual: bool,
     weight_offset: float = 0.0,
+    residual_dtype: str | None = None,
 ) -> Plan:
     """The Plan of a call of ``op`` on x of ``xi`` normalized over ``axes`` (every Plan normlab
     makes is made here)."""
@@ -263,6 +265,7 @@ def _plan(
         requires_grad=requires_grad,
         return_residual=return_residual,
         weight_offset=weight_offset,
+        residual_dtype=residual_dtype,
     )
 
 

@@ -86,6 +86,8 @@ FLAWS: Final = {
     "or bfloat16 weight: rounded there), not in the compute dtype",
     "offset_ignored": "declares the capability weight_offset and uses the weight as given",
     "offset_on_bias": "adds weight_offset to the bias as well as to the weight",
+    "stream_rounded_h": "declares the capability residual_stream and rounds h = float32(x) + "
+    "residual to x's half dtype before normalizing it (h returned as that rounded value)",
 }
 
 #: The flaws proper (every one but the control).
@@ -109,6 +111,7 @@ ONLY: Final = {
     "torch_half_sums": "half_parameter_gradients or autograd_gradients",
     **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
     **dict.fromkeys(("offset_in_x_dtype", "offset_ignored", "offset_on_bias"), "weight_offset"),
+    "stream_rounded_h": "residual_stream",
 }
 
 #: flaw -> tests of the suite before batch invariance, float32 accuracy and 4096-row half
@@ -138,6 +141,10 @@ FUSED_FLAWS: Final = frozenset({"normalize_before_rounding", "forgets_h", "h_int
 #: The flaws of the weight offset, which every numpy mutant applies itself (the record declares
 #: the capability ``"weight_offset"``: the suite sees the native path, not the core's).
 OFFSET_FLAWS: Final = frozenset({"offset_in_x_dtype", "offset_ignored", "offset_on_bias"})
+
+#: The flaws of a float32 residual stream (a mutant whose record declares the capability
+#: ``"residual_stream"``; the other mutants leave the stream to the core).
+STREAM_FLAWS: Final = frozenset({"stream_rounded_h"})
 
 #: The flaws of a torch-family mutant (normlab's torch backend with one fix undone).
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
@@ -336,6 +343,8 @@ def add_layer_norm(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
     """``h = x + residual`` rounded to x's dtype, then :func:`layer_norm` of h (normlab's fused
     backend contract), with ``flaw``."""
+    if plan.residual_dtype is not None:
+        return _rounded_stream(x, residual, weight, bias, plan, out, residual_out, layer_norm)
     if flaw == "normalize_before_rounding":
         compute = _compute_dtype(plan, flaw)
         exact = x.astype(compute) + residual.astype(compute)
@@ -367,10 +376,29 @@ def add_rms_norm(
     flaw: str = "control",
 ) -> tuple[np.ndarray, np.ndarray | None, None, np.ndarray | None]:
     """``h = x + residual`` rounded to x's dtype, then :func:`rms_norm` of h (no flaw of its
-    own)."""
+    own but the stream's)."""
+    if plan.residual_dtype is not None:
+        return _rounded_stream(x, residual, weight, None, plan, out, residual_out, rms_norm)
     h = np.add(x, residual)
     y, _, rstd = rms_norm(h, weight, None, plan=plan, out=out)
     return y, (_h_into(h, x, residual_out) if plan.return_residual else None), None, rstd
+
+
+def _rounded_stream(
+    x: np.ndarray,
+    residual: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    plan: Plan,
+    out: np.ndarray | None,
+    residual_out: np.ndarray | None,
+    norm: Any,
+) -> Any:
+    """The stream_rounded_h flaw (the only mutant whose record takes a float32 stream): h =
+    float32(x) + residual rounded to x's half dtype, normalized, and returned as float32."""
+    h = np.add(x.astype(np.float32), residual).astype(x.dtype)
+    y, mean, rstd = norm(h, weight, bias, plan=plan, out=out)
+    return y, _h_into(h, residual, residual_out) if plan.return_residual else None, mean, rstd
 
 
 def _h_into(h: np.ndarray, x: np.ndarray, residual_out: np.ndarray | None) -> np.ndarray:
@@ -514,7 +542,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
     if flaw in TORCH_FLAWS:
         return _torch_plugin(module, flaw, **record_fields)
-    if flaw in BACKWARD_FLAWS | OFFSET_FLAWS | {"control"}:
+    if flaw in BACKWARD_FLAWS | OFFSET_FLAWS | STREAM_FLAWS | {"control"}:
         ops = _ALL_OPS
     elif flaw in FUSED_FLAWS:
         ops = frozenset({"layer_norm", "add_layer_norm"})
@@ -528,7 +556,10 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         ops=ops,
         priority=-100,  # never chosen unless named
-        capabilities=frozenset({"strided", "out", "inplace", "weight_offset"}),
+        capabilities=frozenset(
+            {"strided", "out", "inplace", "weight_offset"}
+            | ({"residual_stream"} if flaw in STREAM_FLAWS else set())
+        ),
         # the library whose thread count the suite varies (bwd_thread_chunks follows it)
         library="numba" if flaw == "bwd_thread_chunks" else None,
         description=f"a mutant for the suite's teeth: {FLAWS[flaw]}",

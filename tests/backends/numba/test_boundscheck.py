@@ -138,8 +138,8 @@ def test_address_entries_are_compiled_with_bounds_checks(tmp_path: Path) -> None
     def by_address(stop, fused):
         if fused:
             add_norm_rows_at(
-                x, w, w, x, at(x), at(r), at(y), at(h), at(w), at(b), 0.0, 3, 4, 1e-5, stats, stats,
-                True, 0, stop,
+                x, w, w, x, x, at(x), at(r), at(y), at(h), at(w), at(b), 0.0, 3, 4, 1e-5,
+                stats, stats, True, 0, stop,
             )
         else:
             layer_norm_rows_at(
@@ -208,7 +208,7 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
             "torch_exit_code": torch_exit_code,
             "addressed": sorted(
                 " ".join([k.__name__, str(sig[0].dtype), str(sig[2].dtype)] + (
-                    ["with h" if sig[3] != types.none else "without h"]
+                    ["with h" if sig[4] != types.none else "without h"]
                     if k.__name__.startswith("add_") else []
                 ))
                 for k in (
