@@ -430,16 +430,24 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     )
     preference = dispatch.current_preference()
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
-    if call.residual_stream:
-        lines.append(
-            f"  residual stream: residual is float32 beside {plan.dtype} x; the core adds "
-            f"float32(x) + residual in float32 with x's library, runs {table.base} of that h as "
-            f"a call of its own (explain(h, op={table.base!r}) shows its choice) and rounds y "
-            "to x's dtype"
-        )
-        return "\n".join(lines)
     try:
         choice = dispatch.choose(plan, named)
+        if call.residual_stream:
+            seen = _seen(table, call, choice, args)
+            if not _composed(table, call, choice) and residual_stream.native(call, seen):
+                lines.append(
+                    f"  residual stream: residual is float32 beside {plan.dtype} x; "
+                    f"{choice.backend.name} takes it as given: h = float32(x) + residual kept "
+                    "in float32, y the norm of that h in x's dtype"
+                )
+            else:
+                lines.append(
+                    f"  residual stream: residual is float32 beside {plan.dtype} x; the core "
+                    f"adds float32(x) + residual in float32 with x's library, runs {table.base} "
+                    f"of that h as a call of its own (explain(h, op={table.base!r}) shows its "
+                    "choice) and rounds y to x's dtype"
+                )
+                return "\n".join(lines)
         if call.parameters:
             native = not _composed(table, call, choice) and parameters.native(
                 call, _seen(table, call, choice, args)

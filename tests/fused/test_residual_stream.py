@@ -3,6 +3,9 @@ core checks, autograd through it, and explain()."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -42,7 +45,48 @@ def test_inputs_are_not_modified() -> None:
 
 def test_explain_names_the_stream() -> None:
     x, residual = _pair()
-    assert "residual stream" in normlab.explain(x, residual, op="add_layer_norm")
+    text = normlab.explain(x, residual, op="add_layer_norm", backend="numba")
+    assert "numba takes it as given: h = float32(x) + residual kept in float32" in text
+    text = normlab.explain(x, residual, op="add_layer_norm", backend="numpy")
+    assert "the core adds float32(x) + residual in float32" in text
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "torch"])
+@pytest.mark.parametrize("op", ["add_layer_norm", "add_rms_norm"])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 4096), (7, 320), (300, 1024), (2, 300_000)])
+def test_numba_takes_the_stream_as_the_core_composes_it(
+    arrays: str, op: str, rows: int, cols: int
+) -> None:
+    """numba's own stream (in its fused kernel; long rows: the add, then the segmented norm of
+    the float32 h) gives the bits of the core's composition on numba: h = float32(x) + residual
+    exactly, y numba's norm of that h rounded to x's dtype; with h returned, into
+    residual_out, and not returned (the post-norm form)."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16)
+    residual = (20 * rng.standard_normal((rows, cols))).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(cols)).astype(ml_dtypes.bfloat16)
+    convert, to_numpy = _family(arrays)
+    x_t, r_t, w_t = convert(x), convert(residual), convert(weight)
+    function, base = getattr(normlab, op), getattr(normlab, op.removeprefix("add_"))
+    h_want = x.astype(np.float32) + residual
+    y_want = to_numpy(base(convert(h_want), weight=w_t, backend="numba")).astype(x.dtype)
+    y, h = function(x_t, r_t, weight=w_t, backend="numba")
+    assert same_bits(to_numpy(h), h_want) and same_bits(to_numpy(y), y_want)
+    h_out = convert(np.zeros_like(residual))
+    function(x_t, r_t, weight=w_t, residual_out=h_out, backend="numba")
+    assert same_bits(to_numpy(h_out), h_want)
+    post = function(x_t, r_t, weight=w_t, return_residual=False, backend="numba")
+    assert same_bits(to_numpy(post), y_want)
+
+
+def _family(arrays: str) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    """How a NumPy array becomes one of ``arrays``' and back."""
+    if arrays == "numpy":
+        return (lambda a: a), (lambda a: a)
+    pytest.importorskip("torch")
+    from normlab.backends.torch_backend import from_numpy, to_numpy
+
+    return from_numpy, to_numpy
 
 
 def test_torch_gradients_through_the_stream() -> None:
