@@ -12,8 +12,8 @@ call's. Types come from numba's own dispatch on the other arguments: ``x_like`` 
 the kernels' element type for x (x's dtype, or the bit-pattern integer type of a half dtype),
 ``r_like`` one of the type of the residual and h (x's, or float32 for a float32 stream),
 ``w_like`` one of the compute dtype and ``p_like`` one of the type weight and bias are stored in
-(the compute dtype, or x's half type: then they are widened to the compute dtype once per call,
-exactly, as ``Tensor.float()`` would); the addresses are integers.
+(the compute dtype; or any other float type, half types as bit patterns: then they are converted
+to the compute dtype once per call, as ``Tensor.float()`` would); the addresses are integers.
 
 The caller guarantees what the views assume: each address is element 0 of live, C-contiguous
 memory aligned to its element type, of ``rows * cols`` elements of ``x_like``'s type (x, y) or
@@ -58,9 +58,10 @@ _pointer: Final[Any] = intrinsic(_pointer_typed)
 def parameter(p: Any, like: Any, offset: float) -> Any:
     """The weight or bias ``p`` (1-D, C-contiguous) as an array of ``like``'s dtype (the
     compute dtype), plus ``offset`` (``plan.weight_offset``; 0 for a bias): ``p`` itself when
-    it is one and the offset 0, else a new array of its elements widened from half bit patterns
-    (exact) and added to the offset in the compute dtype, rounded once there: the bits of
-    ``float32(p) + offset`` (:mod:`normlab.parameters`).
+    it is one and the offset 0, else a new array of its elements converted (half bit patterns
+    widened, float32 widened or float64 rounded to the compute dtype) and, for a nonzero
+    offset, added to it in the compute dtype, rounded once there: the bits of
+    ``compute(p) + offset`` (:mod:`normlab.parameters`).
 
     A Numba overload (:func:`_parameter_typed`): callable from jitted code only."""
     raise NotImplementedError("parameter is a Numba overload; call it from jitted code")
@@ -68,9 +69,13 @@ def parameter(p: Any, like: Any, offset: float) -> Any:
 
 def _parameter_formed(p: Any, like: Any, offset: Any) -> Any:
     formed = np.empty(p.shape[0], like.dtype)
+    if offset == 0.0:  # no addition: a weight of -0.0 keeps its sign
+        for j in range(p.shape[0]):
+            formed[j] = narrow(load(p[j]), like)
+        return formed
     shift = narrow(offset, like)
     for j in range(p.shape[0]):
-        formed[j] = load(p[j]) + shift
+        formed[j] = narrow(load(p[j]), like) + shift
     return formed
 
 
@@ -88,7 +93,8 @@ def _parameter_itself(p: Any, like: Any, offset: Any) -> Any:
 def _parameter_typed(p: Any, like: Any, offset: Any) -> Any:
     if p.dtype == like.dtype:
         return _parameter_itself
-    return _parameter_formed if p.dtype in (types.int16, types.uint16) else None
+    convertible = p.dtype in (types.int16, types.uint16) or isinstance(p.dtype, types.Float)
+    return _parameter_formed if convertible else None
 
 
 @njit(error_model="numpy", cache=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from normlab.backends.numba_forward import LONG_ROW_BYTES, SEGMENT
 
-__all__ = ["BITS", "KernelTypes", "constant", "kernel_types", "no_stats"]
+__all__ = ["BITS", "KernelTypes", "constant", "kernel_types", "no_stats", "stand_in"]
 
 #: The integer type whose values are a half type's bit patterns, as the kernels read them.
 BITS: Final = {"float16": np.int16, "bfloat16": np.uint16}
@@ -34,7 +34,9 @@ class KernelTypes:
     compute dtype (``compute_like``): the types of :mod:`numba_addressed`'s entries, with the
     entry points of those already run (``entries``, by name; see
     :func:`normlab.backends.numba_tensors._entry_point`; their serial kernels were loaded first,
-    see :func:`normlab.backends.numba_pool.load_serial_first`)."""
+    see :func:`normlab.backends.numba_pool.load_serial_first`), and the stand-ins of tensor
+    parameters stored in other float dtypes (``stored``, by torch dtype; see
+    :func:`normlab.backends.numba_tensors._stored_stand_ins`)."""
 
     compute: np.dtype[Any]
     bits: type | None
@@ -52,6 +54,7 @@ class KernelTypes:
     half_ones_at: int
     half_zeros_at: int
     entries: dict[str, Any]
+    stored: dict[Any, Any]
 
 
 @functools.lru_cache(maxsize=16)
@@ -83,6 +86,7 @@ def kernel_types(dtype: str, stats_dtype: str, cols: int) -> KernelTypes:
         half_ones_at=0 if half_ones is None else half_ones.ctypes.data,
         half_zeros_at=0 if half_zeros is None else half_zeros.ctypes.data,
         entries={},
+        stored={},
     )
 
 
@@ -97,6 +101,14 @@ def constant(length: int, compute: type, fill: float) -> np.ndarray:
     """A cached array of ``length`` times ``fill`` (the weight or bias of a call without one):
     at most LONG_ROW_BYTES each, so the cache holds at most 32 MiB."""
     return np.full(length, fill, dtype=compute)
+
+
+def stand_in(length: int, dtype: str, fill: float) -> np.ndarray:
+    """:func:`constant` stored as the float ``dtype`` is (half types as their bit patterns): the
+    weight or bias a call lacks beside one stored in ``dtype``."""
+    if dtype in BITS:
+        return _half_constant(length, dtype, fill)
+    return constant(length, np.dtype(dtype).type, fill)
 
 
 @functools.lru_cache(maxsize=32)

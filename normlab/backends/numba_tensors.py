@@ -39,7 +39,7 @@ from normlab.backends.numba_addressed import (
 from normlab.backends.numba_family import Family
 from normlab.backends.numba_forward import layer_norm_rows
 from normlab.backends.numba_fused import add_norm_rows
-from normlab.backends.numba_kernel_types import KernelTypes
+from normlab.backends.numba_kernel_types import BITS, KernelTypes, stand_in
 from normlab.backends.numba_pool import POOL, always_serial, forward_work
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
@@ -273,6 +273,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
     offset = float(plan.weight_offset)
     entries, name = k.entries, "layer_norm_rows_at"
     half_name = _entry_name(name, k, element)
+    stored: dict[int, Any] = {}  # entries by id(p_like), for parameters in other types
     entry, half_entry = entries.get(name), entries.get(half_name)
 
     def run(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None] | None:
@@ -282,12 +283,16 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
         if params is None or x_at % itemsize or not x.is_contiguous():
             return None
         w_at, b_at, p_like = params
-        kernel = entry if p_like is compute_like else half_entry
-        if kernel is None:  # not taken yet: the op's function takes it on its first call
+        if p_like is compute_like:
+            kernel = entry
+        else:
+            kernel = half_entry if p_like is element else stored.get(id(p_like))
+        if kernel is None:  # not taken yet (the op's function takes it on its first call)
             entry, half_entry = entries.get(name), entries.get(half_name)
-            kernel = entry if p_like is compute_like else half_entry
+            kernel = entries.get(_entry_name(name, k, p_like))
             if kernel is None:
                 return None
+            stored[id(p_like)] = kernel
         y = empty_like(x)
         kernel(
             element, compute_like, p_like, x_at, y.data_ptr(), w_at, b_at, offset,
@@ -310,6 +315,7 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
     offset = float(plan.weight_offset)
     entries, name = k.entries, _add_entry("add_norm_rows_at", keep_h, plan)
     half_name = _entry_name(name, k, element)
+    stored: dict[int, Any] = {}  # entries by id(p_like), for parameters in other types
     entry, half_entry = entries.get(name), entries.get(half_name)
 
     def run(x: Any, residual: Any, weight: Any, bias: Any) -> tuple[Any, ...] | None:
@@ -325,12 +331,16 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
         ):
             return None
         w_at, b_at, p_like = params
-        kernel = entry if p_like is compute_like else half_entry
-        if kernel is None:  # not taken yet: the op's function takes it on its first call
+        if p_like is compute_like:
+            kernel = entry
+        else:
+            kernel = half_entry if p_like is element else stored.get(id(p_like))
+        if kernel is None:  # not taken yet (the op's function takes it on its first call)
             entry, half_entry = entries.get(name), entries.get(half_name)
-            kernel = entry if p_like is compute_like else half_entry
+            kernel = entries.get(_entry_name(name, k, p_like))
             if kernel is None:
                 return None
+            stored[id(p_like)] = kernel
         y = empty_like(x)
         h = empty_like(residual) if keep_h else None
         kernel(
@@ -346,9 +356,10 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
 def _tensor_params(weight: Any, bias: Any, k: KernelTypes, compute: Any, x: Any) -> _Params | None:
     """Weight and bias as the address entries read them: their addresses (the stand-ins' for
     absent ones) and an empty array of the type they are stored in (``p_like``): the compute
-    dtype (``compute``, a torch dtype), or x's half dtype, which the entries widen
-    themselves. None when one must be converted first (:func:`_converted_params`: another
-    dtype, the two stored differently, strided, misaligned)."""
+    dtype (``compute``, a torch dtype), or another float dtype (x's half dtype, a bfloat16
+    weight beside float32 x, …), which the entries convert themselves. None when one must be
+    converted first (:func:`_converted_params`: the two stored differently, strided,
+    misaligned)."""
     if weight is not None:
         stored = weight.dtype
     elif bias is not None:
@@ -360,7 +371,10 @@ def _tensor_params(weight: Any, bias: Any, k: KernelTypes, compute: Any, x: Any)
     elif k.bits is not None and stored is x.dtype:
         like, w_at, b_at = k.element, k.half_ones_at, k.half_zeros_at
     else:
-        return None
+        stand_ins = _stored_stand_ins(stored, k)
+        if stand_ins is None:
+            return None
+        like, w_at, b_at = stand_ins
     size = like.itemsize
     if weight is not None:
         w_at = weight.data_ptr()
@@ -409,10 +423,32 @@ def _add_entry(kernel: str, keep_h: bool, plan: Plan) -> str:
 _STREAM: Final = np.empty((0, 0), np.float32)
 
 
+def _stored_stand_ins(stored: Any, k: KernelTypes) -> tuple[np.ndarray, int, int] | None:
+    """For parameters stored as the torch float dtype ``stored`` (neither the compute dtype nor
+    x's half dtype): the empty array of their type in the entries (``p_like``) and the
+    addresses of ``cols`` ones and zeros stored so (an absent weight's and bias's stand-ins);
+    None for a dtype the entries do not read. Kept in ``k.stored`` (the stand-ins live as long
+    as the call's ``k``): a repeated call reads one entry."""
+    found = k.stored.get(stored)
+    if found is not None:
+        return found[:3]  # type: ignore[no-any-return]
+    torch = _torch()
+    names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    name = (names | {torch.float32: "float32", torch.float64: "float64"}).get(stored)
+    if name is None:
+        return None
+    cols = k.ones.shape[0]  # short rows: the stand-ins are cols long
+    ones, zeros = stand_in(cols, name, 1.0), stand_in(cols, name, 0.0)
+    like = np.empty((0, 0), BITS[name] if name in BITS else np.dtype(name))
+    k.stored[stored] = (like, ones.ctypes.data, zeros.ctypes.data, ones, zeros)
+    return like, ones.ctypes.data, zeros.ctypes.data
+
+
 def _entry_name(name: str, k: KernelTypes, p_like: Any) -> str:
     """The key in ``k.entries`` of the address entry ``name`` for parameters stored as
-    ``p_like``: those stored in x's half dtype make another specialization."""
-    return name if p_like is k.compute_like else f"{name}, half parameters"
+    ``p_like``: those stored in another type than the compute dtype make another
+    specialization each."""
+    return name if p_like is k.compute_like else f"{name}, parameters of {p_like.dtype}"
 
 
 def _entry_point(kernel: Any, args: tuple[Any, ...]) -> Any:

@@ -4,7 +4,7 @@ backend that declares the capability ``"weight_offset"``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import ml_dtypes
 import numpy as np
@@ -101,26 +101,43 @@ def test_explain_says_who_forms_the_parameters() -> None:
     assert "parameters: the core forms weight_offset + weight (1.0 + bfloat16) in float32" in text
 
 
+#: (x's dtype, the weight's, the bias's) for numba's own forming of the parameters.
+NATIVE_DTYPES: Final = (
+    (ml_dtypes.bfloat16, ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+    (np.float32, np.float16, np.float64),
+    (np.float32, ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+    (np.float16, np.float64, np.float32),
+    (np.float64, np.float32, np.float32),
+)
+
+
 @pytest.mark.parametrize("arrays", ["numpy", "torch"])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
 @pytest.mark.parametrize("rows", [1, 5, 4096])
-def test_numba_forms_the_parameters_as_the_core_does(arrays: str, op: str, rows: int) -> None:
-    """numba's own forming (an offset added after widening, a weight of another dtype
-    converted, in its pass over the parameters) gives the bits of the core's: one token, a few
-    rows on the calling thread, many on the pool's threads; half x and float32 x; NumPy arrays
-    and CPU tensors (whose C-contiguous rows go to the kernels by address)."""
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_numba_forms_the_parameters_as_the_core_does(
+    arrays: str, op: str, rows: int, offset: float
+) -> None:
+    """numba's own forming (the weight converted to the compute dtype, the offset added there,
+    in its pass over the parameters) gives the bits of the core's, zeros' signs included: one
+    token, a few rows on the calling thread, many on the pool's threads; half, float32 and
+    float64 x beside parameters of every float dtype; NumPy arrays and CPU tensors (whose
+    C-contiguous rows go to the kernels by address, parameters of another type included)."""
     convert = _converter(arrays)
     function = getattr(normlab, op)
-    for x_dtype, w_dtype in ((ml_dtypes.bfloat16, ml_dtypes.bfloat16), (np.float32, np.float16)):
+    for x_dtype, w_dtype, b_dtype in NATIVE_DTYPES:
+        compute = np.dtype(np.float64 if x_dtype is np.float64 else np.float32)
         x = convert(_x(x_dtype, rows=rows))
         extra = (convert(_x(x_dtype, rows=rows, seed=5)),) if op.startswith("add_") else ()
         w = _weight(w_dtype)
-        b = _weight(np.float64) if op.endswith("layer_norm") else None
+        w[:3] = -0.0
+        b = _weight(b_dtype) if op.endswith("layer_norm") else None
         given = {"weight": convert(w)} if b is None else {"weight": convert(w), "bias": convert(b)}
-        native = function(x, *extra, weight_offset=1.0, backend="numba", **given)
-        formed = {"weight": convert(w.astype(np.float32) + np.float32(1))}
+        native = function(x, *extra, weight_offset=offset, backend="numba", **given)
+        formed_weight = w.astype(compute) + compute.type(offset) if offset else w.astype(compute)
+        formed = {"weight": convert(formed_weight)}
         if b is not None:
-            formed["bias"] = convert(b.astype(np.float32))
+            formed["bias"] = convert(b.astype(compute))
         want = function(x, *extra, backend="numba", **formed)
         pairs = zip(native, want, strict=True) if extra else [(native, want)]
         assert all(same_bits(to_numpy(a), to_numpy(b)) for a, b in pairs), (op, rows, x_dtype)
