@@ -108,7 +108,7 @@ def stand_in(length: int, dtype: str, fill: float) -> np.ndarray:
     weight or bias a call lacks beside one stored in ``dtype``."""
     if dtype in BITS:
         return _half_constant(length, dtype, fill)
-    return constant(length, np.dtype(dtype).type, fill)
+    return constant(length, np.float64 if dtype == "float64" else np.float32, fill)
 
 
 @functools.lru_cache(maxsize=32)
