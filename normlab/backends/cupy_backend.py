@@ -214,7 +214,8 @@ def _launch(
     function = _function(device, launch.specialisation)
     pointers = (np.uint64(a) for a in (x_at, w_at, b_at, y_at, mean_at, rstd_at))
     sizes = (np.int64(n) for n in (rows, cols, x_stride, y_stride))
-    args = (*pointers, *sizes, _STATS[plan.stats_dtype](plan.eps))  # the kernels' argument order
+    stats = _STATS[plan.stats_dtype]
+    args = (*pointers, *sizes, stats(plan.eps), stats(plan.weight_offset))  # the kernels' order
     with cupy.cuda.Device(device):
         function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
     return y, mean, rstd
@@ -278,7 +279,8 @@ def _launch_fused(
     function = _function(device, launch.specialisation)
     pointers = (np.uint64(a) for a in (x_at, r_at, w_at, b_at, y_at, h_at, mean_at, rstd_at))
     sizes = (np.int64(n) for n in (rows, cols, *strides))
-    args = (*pointers, *sizes, _STATS[plan.stats_dtype](plan.eps))  # the kernels' argument order
+    stats = _STATS[plan.stats_dtype]
+    args = (*pointers, *sizes, stats(plan.eps), stats(plan.weight_offset))  # the kernels' order
     with cupy.cuda.Device(device):
         function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
     return y, h, mean, rstd
@@ -354,7 +356,11 @@ def _backward(
             pointers = (dy_at, x_at, mean_at, rstd_at, w_at, dx_at, res_at)
             _function(device, kernel.specialisation)(
                 (kernel.grid(rows),), (kernel.block,),
-                (*map(np.uint64, pointers), *sizes, np.int64(dx_stride)), stream=stream,
+                (
+                    *map(np.uint64, pointers), *sizes, np.int64(dx_stride),
+                    _STATS[plan.stats_dtype](plan.weight_offset),
+                ),
+                stream=stream,
             )  # fmt: skip
         if not (need_dw or need_db):
             return dx, None, None

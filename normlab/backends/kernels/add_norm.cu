@@ -99,7 +99,8 @@ add_normalize_rows(
     long long r_row_stride,                    // elements between rows of the residual
     long long y_row_stride,                    // elements between rows of y
     long long h_row_stride,                    // elements between rows of h
-    typename Accumulator<T>::type eps) {       // added before the square root
+    typename Accumulator<T>::type eps,         // added before the square root
+    typename Accumulator<T>::type offset) {    // the weight is used as offset + W (0: W)
   using A = typename Accumulator<T>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int ROWS_PER_BLOCK = RowsBlock<THREADS>::threads / THREADS;
@@ -134,7 +135,7 @@ add_normalize_rows(
       store_chunks<VECTOR>(H + row * h_row_stride, v, n, first, STEP);
     }
     T* y = Y + row * y_row_stride;
-    write_chunks<CENTRE, VECTOR>(y, W, B, v, n, first, STEP, s.mean, s.rstd);
+    write_chunks<CENTRE, VECTOR>(y, W, B, v, n, first, STEP, s.mean, s.rstd, offset);
   }
 }
 
@@ -157,7 +158,8 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) add_normalize_loop(
     long long r_row_stride,                    // elements between rows of the residual
     long long y_row_stride,                    // elements between rows of y
     long long h_row_stride,                    // elements between rows of h
-    typename Accumulator<T>::type eps) {       // added before the square root
+    typename Accumulator<T>::type eps,         // added before the square root
+    typename Accumulator<T>::type offset) {    // the weight is used as offset + W (0: W)
   using A = typename Accumulator<T>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int WARPS = LOOP_THREADS / 32;
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) add_normalize_loop(
       if (h != nullptr) {
         store_chunks<VECTOR>(h, v, n, base + first, STEP);
       }
-      write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd);
+      write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd, offset);
     }
   }
 }

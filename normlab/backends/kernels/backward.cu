@@ -51,11 +51,12 @@ using GradSums = Sums<A, CENTRE ? 3 : 1>;
 
 // Loads one thread's ITEMS chunks of the rows x and dy (chunk i at column first + i * step;
 // `cols` columns in all): D = x - m (0 past the row), G = dy * w (0 past the row; w = 1 when W
-// is nullptr); N: the number of columns of each chunk inside the row.
+// is nullptr, offset + W when offset is not 0, as the forward's write_chunks forms it); N: the
+// number of columns of each chunk inside the row.
 template <bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
 __device__ __forceinline__ void load_grad_chunks(
     const T* X, const T* DY, const P* __restrict__ W, long long first, long long step,
-    long long cols, A m, A (&D)[ITEMS][VEC], A (&G)[ITEMS][VEC], int (&N)[ITEMS]) {
+    long long cols, A m, A offset, A (&D)[ITEMS][VEC], A (&G)[ITEMS][VEC], int (&N)[ITEMS]) {
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const long long c = first + i * step;
@@ -64,6 +65,12 @@ __device__ __forceinline__ void load_grad_chunks(
     load_chunk<VECTOR>(DY, c, N[i], A(0), G[i]);
     A w[VEC];
     load_chunk<VECTOR>(W, c, W != nullptr ? N[i] : 0, A(1), w);
+    if (offset != A(0)) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        w[k] = w[k] + offset;
+      }
+    }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
       D[i][k] -= m;
@@ -148,7 +155,8 @@ backward_rows(
     long long cols,                                      // row length (>= 1)
     long long dy_row_stride,                             // elements between rows of dy
     long long x_row_stride,                              // elements between rows of x
-    long long dx_row_stride) {                           // elements between rows of dx
+    long long dx_row_stride,                             // elements between rows of dx
+    typename Accumulator<T>::type offset) {              // the weight is used as offset + W
   using A = typename Accumulator<T>::type;
   using S = GradSums<CENTRE, A>;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
@@ -169,7 +177,7 @@ backward_rows(
     A gr[ITEMS][VEC];
     int n[ITEMS];
     load_grad_chunks<VECTOR>(X + r * x_row_stride, DY + r * dy_row_stride, W, first, STEP,
-                             live ? cols : 0, m, d, gr, n);
+                             live ? cols : 0, m, offset, d, gr, n);
     const S s = row_combine<WARPS>(thread_sums<CENTRE>(d, gr), partial[sub], t / 32);
     if (!live) {
       continue;
@@ -203,7 +211,8 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) backward_loop(
     long long cols,                                      // row length (>= 1)
     long long dy_row_stride,                             // elements between rows of dy
     long long x_row_stride,                              // elements between rows of x
-    long long dx_row_stride) {                           // elements between rows of dx
+    long long dx_row_stride,                             // elements between rows of dx
+    typename Accumulator<T>::type offset) {              // the weight is used as offset + W
   using A = typename Accumulator<T>::type;
   using S = GradSums<CENTRE, A>;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
@@ -223,7 +232,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) backward_loop(
       A d[GRAD_LOOP_ITEMS][VEC];
       A gr[GRAD_LOOP_ITEMS][VEC];
       int n[GRAD_LOOP_ITEMS];
-      load_grad_chunks<VECTOR>(x, dy, W, base + first, STEP, cols, m, d, gr, n);
+      load_grad_chunks<VECTOR>(x, dy, W, base + first, STEP, cols, m, offset, d, gr, n);
       s = combine(s, thread_sums<CENTRE>(d, gr));
     }
     s = row_combine<WARPS>(s, partial, t / 32);
@@ -240,7 +249,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) backward_loop(
       A d[GRAD_LOOP_ITEMS][VEC];
       A gr[GRAD_LOOP_ITEMS][VEC];
       int n[GRAD_LOOP_ITEMS];
-      load_grad_chunks<VECTOR>(x, dy, W, base + first, STEP, cols, m, d, gr, n);
+      load_grad_chunks<VECTOR>(x, dy, W, base + first, STEP, cols, m, offset, d, gr, n);
       write_dx<VECTOR>(dx, d, gr, n, base + first, STEP, terms, rstd);
     }
   }

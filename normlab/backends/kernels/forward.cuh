@@ -139,16 +139,23 @@ __device__ __forceinline__ RowNorm<A> row_norm(
 
 // Writes one thread's chunks V (as loaded by load_thread_chunks: x itself, or h) to the row Y:
 // CENTRE, y = (v - mean) * rstd * w + b, v - mean rounded once; else y = v * rstd * w (B and
-// mean unused). w = 1 when W is nullptr, b = 0 when B is nullptr.
+// mean unused). w = 1 when W is nullptr, b = 0 when B is nullptr; w = offset + W, added in A
+// and rounded once there, when offset is not 0 (no addition at 0: a weight of -0 keeps its sign).
 template <bool CENTRE, bool VECTOR, int ITEMS, int VEC, typename T, typename P, typename A>
 __device__ __forceinline__ void write_chunks(
     T* Y, const P* __restrict__ W, const P* __restrict__ B, const A (&V)[ITEMS][VEC],
-    const int (&N)[ITEMS], long long first, long long step, A mean, A rstd) {
+    const int (&N)[ITEMS], long long first, long long step, A mean, A rstd, A offset) {
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const long long c = first + i * step;
     A w[VEC];
     load_chunk<VECTOR>(W, c, W != nullptr ? N[i] : 0, A(1), w);
+    if (offset != A(0)) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        w[k] = w[k] + offset;
+      }
+    }
     A y[VEC];
     if constexpr (CENTRE) {
       A b[VEC];

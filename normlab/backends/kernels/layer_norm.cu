@@ -66,7 +66,8 @@ normalize_rows(
     long long cols,                            // row length (>= 1)
     long long x_row_stride,                    // elements between rows of x (any sign)
     long long y_row_stride,                    // elements between rows of y (any sign)
-    typename Accumulator<T>::type eps) {       // added before the square root
+    typename Accumulator<T>::type eps,         // added before the square root
+    typename Accumulator<T>::type offset) {    // the weight is used as offset + W (0: W)
   using A = typename Accumulator<T>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int ROWS_PER_BLOCK = RowsBlock<THREADS>::threads / THREADS;
@@ -97,7 +98,7 @@ normalize_rows(
       Rstd[row] = s.rstd;
     }
     T* y = Y + row * y_row_stride;
-    write_chunks<CENTRE, VECTOR>(y, W, B, v, n, first, STEP, s.mean, s.rstd);
+    write_chunks<CENTRE, VECTOR>(y, W, B, v, n, first, STEP, s.mean, s.rstd, offset);
   }
 }
 
@@ -117,7 +118,8 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
     long long cols,                            // row length (>= 1)
     long long x_row_stride,                    // elements between rows of x (any sign)
     long long y_row_stride,                    // elements between rows of y (any sign)
-    typename Accumulator<T>::type eps) {       // added before the square root
+    typename Accumulator<T>::type eps,         // added before the square root
+    typename Accumulator<T>::type offset) {    // the weight is used as offset + W (0: W)
   using A = typename Accumulator<T>::type;
   constexpr int VEC = 16 / static_cast<int>(sizeof(T));
   constexpr int WARPS = LOOP_THREADS / 32;
@@ -170,7 +172,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
       A v[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
       load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
-      write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd);
+      write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd, offset);
     }
   }
 }

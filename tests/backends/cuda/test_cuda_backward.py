@@ -231,9 +231,13 @@ class _FakeBackwardKernel:
         names = _parameter_names(KERNELS[self.spec.stage, self.spec.loop])
         assert len(args) == len(names)
         for name, value in zip(names, args, strict=True):
-            assert isinstance(value, np.uint64 if name[0].isupper() else np.int64), name
-        a = {name: int(value) for name, value in zip(names, args, strict=True)}
-        sizes = tuple(a[n] for n in names if n[0].islower())
+            if name == "offset":  # the weight offset, in the accumulation type
+                assert isinstance(value, self.acc.type), name
+            else:
+                assert isinstance(value, np.uint64 if name[0].isupper() else np.int64), name
+        self.offset = float(args[names.index("offset")]) if "offset" in names else 0.0
+        a = {name: int(value) for name, value in zip(names, args, strict=True) if name != "offset"}
+        sizes = tuple(a[n] for n in names if n[0].islower() and n != "offset")
         self.launches.append(_Launch(self.spec.name, tuple(grid), tuple(block), sizes))
         assert block == (self.spec.block,)
         getattr(self, f"_{self.spec.stage}")(a, grid)
@@ -266,6 +270,8 @@ class _FakeBackwardKernel:
         w = np.ones(cols, self.acc)
         if a["W"]:
             w = host_view(a["W"], 1, cols, 0, numpy_dtype(self.spec.param_dtype))[0]
+            if self.offset:  # load_grad_chunks: offset + W in the accumulation type
+                w = w.astype(self.acc) + self.acc.type(self.offset)
         d, g, n = x - mean[:, None], dy * w.astype(self.acc), self.acc.type(cols)
         if self.centre:
             res = (d.sum(axis=1, dtype=self.acc) / n)[:, None]

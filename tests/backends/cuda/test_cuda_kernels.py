@@ -721,14 +721,15 @@ class _FakeKernel:
         pointers, sizes = (8, 6) if fused else (6, 4)
         assert all(isinstance(a, np.uint64) for a in args[:pointers])
         assert all(isinstance(a, np.int64) for a in args[pointers : pointers + sizes])
-        assert len(args) == pointers + sizes + 1
+        assert len(args) == pointers + sizes + 2
+        eps, offset = args[-2:]
         if fused:
             x_at, r_at, w_at, b_at, y_at, h_at, mean_at, rstd_at = args[:8]
-            rows, cols, x_stride, r_stride, y_stride, h_stride, eps = args[8:]
+            rows, cols, x_stride, r_stride, y_stride, h_stride = args[8:-2]
         else:
-            x_at, w_at, b_at, y_at, mean_at, rstd_at, rows, cols, x_stride, y_stride, eps = args
+            x_at, w_at, b_at, y_at, mean_at, rstd_at, rows, cols, x_stride, y_stride = args[:-2]
         stats = np.dtype(np.float64 if self.spec.dtype == "float64" else np.float32)
-        assert eps.dtype == stats
+        assert eps.dtype == stats and offset.dtype == stats
         assert block == (self.spec.block,) and grid[0] * self.spec.rows_per_block >= rows
         dtype = np.dtype(self.spec.dtype)
         x = host_view(int(x_at), int(rows), int(cols), int(x_stride), dtype)
@@ -738,6 +739,8 @@ class _FakeKernel:
                 host_view(int(h_at), int(rows), int(cols), int(h_stride), dtype)[...] = x
         param = np.dtype(self.spec.param_dtype)
         w = None if w_at == 0 else host_view(int(w_at), 1, int(cols), 0, param)[0]
+        if w is not None and offset != 0:  # the kernels' write_chunks: offset + W in A
+            w = w.astype(stats) + offset
         b = None if b_at == 0 else host_view(int(b_at), 1, int(cols), 0, param)[0]
         mean: np.ndarray | None = None
         if self.spec.op in ("rms_norm", "add_rms_norm"):
@@ -804,6 +807,25 @@ def test_the_launch_passes_what_the_kernel_reads(
     np.testing.assert_allclose(mean.a, want[1][:, 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(rstd.a, want[2][:, 0], rtol=1e-5)
     assert y.a.dtype == x.dtype and mean.a.dtype == rstd.a.dtype == plan.stats_dtype
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_the_launch_passes_the_weight_offset(fake_cupy: Any, op: str, dtype: str) -> None:
+    """``plan.weight_offset`` reaches the kernels as their last argument, in the statistics
+    dtype (the record declares ``"weight_offset"``: the core passes the weight as given)."""
+    rows, cols = 5, 12
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((rows, cols)).astype(dtype)
+    w = (0.1 * rng.standard_normal(cols)).astype(dtype)
+    base = spec.plan(op, x, weight=w, eps=1e-5, return_stats=True)
+    plan = dataclasses.replace(base, family="cupy", weight_offset=1.0)
+    y = getattr(fake_cupy, op)(HostArray(x), HostArray(w), None, plan=plan, out=None)[0]
+    formed = w.astype(plan.compute_dtype) + 1
+    want = getattr(reference, op)(x, weight=formed, eps=1e-5)[0]
+    tol = 1e-3 if dtype == "float16" else 1e-6
+    np.testing.assert_allclose(y.a, want, rtol=tol, atol=tol)
+    assert "weight_offset" in registry.get("cupy").capabilities
 
 
 @pytest.mark.parametrize("layout", ["c", "reversed"])
