@@ -94,6 +94,7 @@ def test_backward_gradients_in_the_weights_dtype() -> None:
 def test_explain_says_who_forms_the_parameters() -> None:
     """numba declares ``weight_offset`` and ``parameter_dtypes``: it forms them itself; for the
     numpy backend (neither) the core does."""
+    pytest.importorskip("numba")
     x, w = _x(), _weight(ml_dtypes.bfloat16)
     text = normlab.explain(x, weight=w, weight_offset=1.0, backend="numba")
     assert "numba takes them as given and forms weight_offset + weight (1.0 + bfloat16)" in text
@@ -123,6 +124,7 @@ def test_numba_forms_the_parameters_as_the_core_does(
     token, a few rows on the calling thread, many on the pool's threads; half, float32 and
     float64 x beside parameters of every float dtype; NumPy arrays and CPU tensors (whose
     C-contiguous rows go to the kernels by address, parameters of another type included)."""
+    pytest.importorskip("numba")
     convert = _converter(arrays)
     function = getattr(normlab, op)
     for x_dtype, w_dtype, b_dtype in NATIVE_DTYPES:

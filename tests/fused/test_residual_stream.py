@@ -44,6 +44,7 @@ def test_inputs_are_not_modified() -> None:
 
 
 def test_explain_names_the_stream() -> None:
+    pytest.importorskip("numba")
     x, residual = _pair()
     text = normlab.explain(x, residual, op="add_layer_norm", backend="numba")
     assert "numba takes it as given: h = float32(x) + residual kept in float32" in text
@@ -61,6 +62,7 @@ def test_numba_takes_the_stream_as_the_core_composes_it(
     the float32 h) gives the bits of the core's composition on numba: h = float32(x) + residual
     exactly, y numba's norm of that h rounded to x's dtype; with h returned, into
     residual_out, and not returned (the post-norm form)."""
+    pytest.importorskip("numba")
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16)
     residual = (20 * rng.standard_normal((rows, cols))).astype(np.float32)
