@@ -31,6 +31,12 @@ torch eager's add then ``F.layer_norm``/``F.rms_norm``, and in the full matrix `
 of that pair. Their shapes (:data:`FUSED_SHAPES`) are a few small (x ≤ 1 MiB) and large
 (x ≥ 8 MiB) inputs, float32 and the half types.
 
+The options of real models' norms (``benchmarks/options.py``: ``weight_offset``, a bfloat16 weight
+beside float32 x, ``casting="llama"``, a float32 residual stream) have rows of their own
+(:func:`test_option`, kind ``"option"``): each option's call beside normlab's plain call of the
+same shape and dtypes and torch eager's composition of the same formula, on CPU tensors, one
+token and a prefill (1x4096, 1024x4096).
+
 The textbook formula runs only where its temporaries (up to six times the input, in float32 or
 wider) fit in a quarter of the memory. Also here: the dispatch overhead on a tiny array, and
 peak memory per backend on a large input (both LayerNorm forward).
@@ -49,7 +55,7 @@ import numpy as np
 import pytest
 
 import normlab
-from benchmarks import memory, peers
+from benchmarks import memory, options, peers
 from benchmarks.workloads import (
     AUTO,
     EPS,
@@ -126,6 +132,8 @@ SLOW_CALL_ROUNDS: Final = 3
 DISPATCH_SHAPE: Final = (8, 64)
 #: Seconds of timed rounds per dispatch case, and the least length of one of its rounds.
 DISPATCH_SECONDS: Final = {"quick": 0.5, "full": 1.5}
+#: Seconds of timed rounds per contender of an option (benchmarks/options.py).
+OPTION_SECONDS: Final = {"quick": 0.3, "full": 1.0}
 DISPATCH_ROUND_S: Final = 1e-3
 MEMORY_SHAPE: Final = {"quick": (2048, 4096), "full": (8192, 4096)}
 MEMORY_DTYPES: Final = {"quick": ("float32",), "full": ("float32", "float16")}
@@ -415,6 +423,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             for p in ("normlab", "direct")
         ]
         metafunc.parametrize("dispatch_case", skipped + paths)
+    elif "option_case" in metafunc.fixturenames:
+        metafunc.parametrize("option_case", _option_params())
     elif "memory_case" in metafunc.fixturenames:
         usable, skipped = usable_backends()
         backends, more = serving(usable, "layer_norm")
@@ -431,6 +441,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 for kind, name in subjects
             ]
         metafunc.parametrize("memory_case", skipped + cases)
+
+
+def _option_params() -> list[Any]:
+    """The option rows: (option, contender, rows, cols), skipped without torch."""
+    marks = [] if _installed("torch") else [pytest.mark.skip(reason="torch is not installed")]
+    return [
+        pytest.param(
+            (option, contender, rows, cols),
+            id=f"{option}-{contender}-{rows}x{cols}",
+            marks=marks,
+        )
+        for rows, cols in options.SHAPES
+        for option in options.OPTIONS
+        for contender in options.CONTENDERS
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -551,6 +576,26 @@ def test_dispatch_overhead(
     )
     benchmark.extra_info.update(
         kind="dispatch", subject=name, mode=path, shape=list(DISPATCH_SHAPE), dtype="float32"
+    )
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations)
+    best = benchmark.stats.stats.min
+    request.node.user_properties.append(("normlab", f"{best * 1e6:7.2f} µs per call"))
+
+
+def test_option(
+    benchmark: Any,
+    option_case: tuple[str, str, int, int],
+    matrix: MatrixState,
+    request: pytest.FixtureRequest,
+) -> None:
+    """One contender of an option of real models' norms (``benchmarks/options.py``)."""
+    option, contender, rows, cols = option_case
+    call = options.cases(rows, cols)[option][contender]
+    rounds, iterations = _pace(
+        _probe(call), OPTION_SECONDS[matrix.matrix], DISPATCH_ROUND_S, matrix
+    )
+    benchmark.extra_info.update(
+        kind="option", subject=contender, mode=option, shape=[rows, cols], dtype="bfloat16"
     )
     benchmark.pedantic(call, rounds=rounds, iterations=iterations)
     best = benchmark.stats.stats.min

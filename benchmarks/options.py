@@ -11,12 +11,14 @@ best batch of calls); a contender's figure is its median over the rounds::
     python benchmarks/options.py --rounds 7
 
 prints, per case, each contender's median (µs) and its ratio to the option's call (above 1:
-slower than normlab's call with the option).
+slower than normlab's call with the option). The same cases are rows of the benchmark matrix
+(``bench_matrix.test_option``, kind ``"option"``; the report's options table).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import timeit
@@ -24,13 +26,24 @@ from collections.abc import Callable
 from typing import Any, Final
 
 SHAPES: Final = ((1, 4096), (1024, 4096))
+#: The options measured, and each one's contenders, in the order :func:`cases` gives them.
+OPTIONS: Final = (
+    "weight_offset=1 (bf16)",
+    "bf16 weight, f32 x",
+    "casting=llama (bf16)",
+    "f32 stream, bf16 x",
+)
+CONTENDERS: Final = ("option", "base", "torch eager")
 #: Seconds each contender is timed per round.
 CASE_SECONDS: Final = 0.2
 
 
-def _cases(rows: int, cols: int) -> dict[str, dict[str, Callable[[], Any]]]:
-    """Per option, its contenders by name: ``option`` (normlab with it), ``base`` (normlab's
-    plain call) and ``torch eager`` (the same formula in torch's own ops)."""
+@functools.lru_cache(maxsize=1)
+def cases(rows: int, cols: int) -> dict[str, dict[str, Callable[[], Any]]]:
+    """Per option (:data:`OPTIONS`), its contenders by name (:data:`CONTENDERS`): ``option``
+    (normlab with it), ``base`` (normlab's plain call of the same shape and dtypes) and
+    ``torch eager`` (the same formula in torch's own ops). Cached: the matrix's rows of one
+    shape share their tensors."""
     import torch
     import torch.nn.functional as F
 
@@ -92,7 +105,7 @@ def main() -> None:
     print(f"load average: {os.getloadavg()[0]:.2f}")
     print(f"{'case':42} {'option µs':>10} {'base':>10} {'torch eager':>12}")
     for rows, cols in SHAPES:
-        for option, contenders in _cases(rows, cols).items():
+        for option, contenders in cases(rows, cols).items():
             for call in contenders.values():
                 call()  # compiles, caches plans and choices
             times: dict[str, list[float]] = {name: [] for name in contenders}

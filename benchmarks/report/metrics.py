@@ -34,12 +34,14 @@ __all__ = [
     "SMALL_BYTES",
     "Change",
     "Dispatch",
+    "OptionRow",
     "PeerGap",
     "Row",
     "Summary",
     "compare",
     "dispatch",
     "geomean",
+    "options",
     "peer_gaps",
     "rows",
     "size_class",
@@ -224,6 +226,32 @@ def summary(all_rows: Sequence[Row]) -> list[Summary]:
             )
         )
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class OptionRow:
+    """Per-call times (s) of an option of real models' norms on one shape: normlab's call with
+    it, normlab's plain call of the same shape and dtypes, torch eager's composition."""
+
+    option: str
+    shape: tuple[int, ...]
+    option_s: float
+    base_s: float
+    eager_s: float
+
+
+def options(run: dict[str, Any]) -> list[OptionRow]:
+    """The option rows of ``run`` (benchmarks/options.py), in the order measured."""
+    times: dict[tuple[str, tuple[int, ...]], dict[str, float]] = defaultdict(dict)
+    for bench in run["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("kind") == "option":
+            times[info["mode"], tuple(info["shape"])][info["subject"]] = bench["stats"]["min"]
+    return [
+        OptionRow(option, shape, t["option"], t["base"], t["torch eager"])
+        for (option, shape), t in times.items()
+        if {"option", "base", "torch eager"} <= t.keys()
+    ]
 
 
 def dispatch(run: dict[str, Any]) -> list[Dispatch]:

@@ -23,6 +23,7 @@ from benchmarks.report.tables import (
     key_table,
     machine,
     memory_table,
+    option_table,
     peer_gap_table,
     peer_summary_table,
     skipped_table,
@@ -147,13 +148,15 @@ def _default_vs_peers(
 
 
 def _extras(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Dispatch overhead and peak memory (LayerNorm forward), each from the first run with it."""
+    """Dispatch overhead and peak memory (LayerNorm forward) and the options of real models'
+    norms, each from the first run with it."""
     lines = []
-    for make in (dispatch_table, memory_table):
+    for make in (dispatch_table, memory_table, option_table):
         found = next(((source, t) for source, run in runs if (t := make(run)).body), None)
         if found is not None:
             source, table = found
-            lines += [f"## {table.title}", "", f"LayerNorm forward, from `{source}`.", ""]
+            intro = "From" if make is option_table else "LayerNorm forward, from"
+            lines += [f"## {table.title}", "", f"{intro} `{source}`.", ""]
             lines.append(to_markdown(table, 0))
     return lines
 

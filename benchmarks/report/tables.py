@@ -23,6 +23,7 @@ from benchmarks.report.metrics import (
     Row,
     dispatch,
     geomean,
+    options,
     peer_gaps,
     rows,
     size_class,
@@ -41,6 +42,7 @@ __all__ = [
     "key_table",
     "machine",
     "memory_table",
+    "option_table",
     "peer_gap_table",
     "peer_summary_table",
     "report_tables",
@@ -455,6 +457,30 @@ def skipped_table(run: dict[str, Any]) -> Table:
     )
 
 
+def option_table(run: dict[str, Any]) -> Table:
+    body = [
+        (
+            r.option,
+            "x".join(map(str, r.shape)),
+            f"{r.option_s * 1e6:.1f}",
+            f"{r.base_s * 1e6:.1f}",
+            f"{r.eager_s * 1e6:.1f}",
+            f"{r.option_s / r.base_s:.2f}",
+            f"{r.eager_s / r.option_s:.2f}",
+        )
+        for r in options(run)
+    ]
+    return Table(
+        "The options of real models' norms, CPU tensors (µs per call)",
+        ("option", "shape", "normlab", "plain call", "torch eager", "× plain", "eager ×"),
+        body,
+        "normlab's call with the option, its plain call of the same shape and dtypes, and torch "
+        "eager's composition of the same formula (benchmarks/options.py), best rounds; × plain: "
+        "the option's cost over the plain call (1: free); eager ×: how many times slower torch "
+        "eager is.",
+    )
+
+
 def report_tables(run: dict[str, Any]) -> list[Table]:
     """Every table of the report, in order."""
     all_rows = rows(run)
@@ -463,7 +489,7 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     tables = [key_table(all_rows, op) for op in measured]
     gaps = peer_gaps(all_rows)
     tables += [auto_table(all_rows), peer_summary_table(gaps), peer_gap_table(gaps)]
-    tables += [dispatch_table(run), memory_table(run)]
+    tables += [dispatch_table(run), option_table(run), memory_table(run)]
     tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
     return [t for t in tables if t.body]

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks import options as bench_options
 from benchmarks.report import metrics, runs, tables, terminal
 from benchmarks.report.page import FULL_BUDGET_MINUTES, docs_page, fill
 from tests.support.paths import DATA, ROOT
@@ -50,7 +51,7 @@ def _bench(
         "shape": shape,
         "dtype": "float32",
     }
-    if kind != "dispatch":
+    if kind not in ("dispatch", "option"):
         info["bytes"] = NBYTES_BACKWARD if op and op.endswith("_backward") else NBYTES
     stats = {"min": seconds, "median": seconds, "iqr": 0.0, "rounds": 5}
     return {"name": f"test[{subject}-{mode}]", "extra_info": info, "stats": stats}
@@ -75,6 +76,9 @@ def _run(
     benchmarks += [
         _bench("dispatch", None, "numpy", "normlab", 11e-6, [8, 64]),
         _bench("dispatch", None, "numpy", "direct", 10e-6, [8, 64]),
+        _bench("option", None, "option", "weight_offset=1 (bf16)", 9e-6, [1, 4096]),
+        _bench("option", None, "base", "weight_offset=1 (bf16)", 8e-6, [1, 4096]),
+        _bench("option", None, "torch eager", "weight_offset=1 (bf16)", 18e-6, [1, 4096]),
     ]
     return {
         "machine_info": {
@@ -152,6 +156,13 @@ def test_summary_dispatch_and_tables() -> None:
     assert summary[("layer_norm_backward", "numpy")].vs_torch == pytest.approx(2.0)
     (pair,) = metrics.dispatch(run)
     assert pair.overhead_us == pytest.approx(1.0)
+    (option,) = metrics.options(run)
+    assert (option.option, option.shape) == ("weight_offset=1 (bf16)", (1, 4096))
+    assert option.option_s / option.base_s == pytest.approx(1.125)
+    table = tables.option_table(run)
+    assert table.body == [
+        ("weight_offset=1 (bf16)", "1x4096", "9.0", "8.0", "18.0", "1.12", "2.00")
+    ]
     titles = [t.title for t in tables.report_tables(run)]
     assert titles[:3] == [
         "LayerNorm forward: key ratios (geometric means)",
@@ -373,6 +384,18 @@ def test_a_tiny_matrix_run_has_every_op_and_renders(tmp_path: Path) -> None:
     page = docs_page([("tiny.json", run)], {})
     for op in OPS:
         assert f"\n## {runs.OP_TITLES[op]}\n" in page
+
+
+def test_a_tiny_matrix_run_has_the_option_rows(tmp_path: Path) -> None:
+    """The real matrix's option rows on one token: every contender of every option is timed
+    and the report's options table has a row per option."""
+    pytest.importorskip("pytest_benchmark")
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    run = _tiny_matrix_run(tmp_path / "options.json", "quick", 0.25, "test_option and 1x4096")
+    found = {(r.option, r.shape) for r in metrics.options(run)}
+    assert found == {(option, (1, 4096)) for option in bench_options.OPTIONS}
+    assert len(tables.option_table(run).body) == len(bench_options.OPTIONS)
 
 
 #: The fused ops' contenders in the matrix: (kind, subject, mode).
