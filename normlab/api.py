@@ -21,6 +21,7 @@ from normlab import (
     route,
     spec,
 )
+from normlab import quantize as quantization
 from normlab.errors import ArgumentError, NormlabError
 from normlab.ops import OPS, Op
 
@@ -77,8 +78,15 @@ def _reshaped(op: Op, call: spec.Call, args: tuple[Any, ...], named: str | None)
     """A call the core reshapes before a backend sees it, unless the backend, as the call runs
     it, takes it as given: a composed casting order (:mod:`normlab.casting`) or a float32
     residual stream beside half x (:mod:`normlab.residual_stream`), whose own ops run through
-    :func:`_run` again; parameters (an offset, another dtype), formed first
+    :func:`_run` again; quantized outputs (:mod:`normlab.quantize`), written by the backend or
+    quantized from its float32 y; parameters (an offset, another dtype), formed first
     (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
+    if call.quantize is not None:
+        choice = dispatch.choose(call.plan, named)
+        seen = choice if _composed(op, call, choice) else _seen(op, call, choice, args)
+        return quantization.run(
+            call, args, seen, lambda base, base_args: _run(base, base_args, named)
+        )
     if call.casting != "exact":
         return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
     choice = dispatch.choose(call.plan, named)
@@ -155,6 +163,8 @@ def layer_norm(
     return_stats: bool = False,
     out: Any = None,
     weight_offset: float = 0.0,
+    quantize: str | None = None,
+    quantize_scale: float | None = None,
 ) -> Any:
     """Layer normalization: ``y = (x - mean) / sqrt(var + eps) * weight + bias``.
 
@@ -181,16 +191,28 @@ def layer_norm(
         weight_offset: the weight is used as ``weight_offset + weight``, formed in the compute
             dtype (1.0: Gemma's RMSNorm, Transformer Engine's ``zero_centered_gamma``); needs
             a weight. Gradients are those of ``weight`` itself.
+        quantize: None, or ``"int8"`` / ``"fp8_e4m3"``: return the quantized y and its
+            per-row scale ``(q, scale)`` instead of y (docs/quantized.md): y in float32 (never
+            rounded to x's dtype) divided by the scale, rounded half to even and saturated
+            (int8: ±127; fp8 e4m3fn: ±448). ``out`` is then q or ``(q, scale)`` (with the
+            statistics after them with ``return_stats``). Not differentiable.
+        quantize_scale: a static scale (a number > 0) for every row; None: a dynamic one,
+            ``max|y_row| / 127`` (int8) or ``/ 448`` (fp8), float32, 0 for a row of zeros.
 
     Returns:
-        ``y`` — same array type, device, shape and dtype as ``x`` — or ``(y, mean, rstd)``.
-        ``x`` is never modified (unless it is ``out``).
+        ``y`` — same array type, device, shape and dtype as ``x`` — or ``(y, mean, rstd)``;
+        with ``quantize``, ``(q, scale)`` or ``(q, scale, mean, rstd)``: q of x's shape
+        (int8, or float8_e4m3fn: uint8 bits on CuPy), scale float32 keepdims-shaped as the
+        statistics. ``x`` is never modified (unless it is ``out``).
 
     Raises:
         NormlabError: a subclass naming the problem (ShapeError, DtypeError, DeviceError,
             ArgumentError, BackendError).
     """
-    args = (x, normalized_shape, weight, bias, eps, axis, return_stats, out, weight_offset)
+    args = (
+        x, normalized_shape, weight, bias, eps, axis, return_stats, out, weight_offset,
+        quantize, quantize_scale,
+    )  # fmt: skip
     return _run(_LAYER_NORM, args, backend)
 
 
@@ -206,6 +228,8 @@ def rms_norm(
     out: Any = None,
     weight_offset: float = 0.0,
     casting: str = "exact",
+    quantize: str | None = None,
+    quantize_scale: float | None = None,
 ) -> Any:
     """RMS normalization: ``y = x / sqrt(mean(x^2) + eps) * weight``.
 
@@ -222,7 +246,9 @@ def rms_norm(
     dtypes: HF Llama, Mistral, Qwen2) or ``"t5"`` (x̂ rounded to the weight's dtype when that is
     half, then the multiply: HF T5). With a composed order y's dtype is that promotion (a
     float32 weight beside bfloat16 x gives float32 y), ``out`` must have it, and no
-    ``weight_offset`` is taken; see docs/conventions.md.
+    ``weight_offset`` is taken; see docs/conventions.md. ``quantize``/``quantize_scale`` as for
+    :func:`layer_norm` (with ``casting="llama"`` the quantized y is the float32 product of the
+    rounded x̂ and the weight; ``"t5"`` takes no quantize).
 
     Returns:
         ``y`` (same array type, device, shape and dtype as ``x``), or ``(y, rstd)`` with
@@ -232,7 +258,10 @@ def rms_norm(
     Raises:
         NormlabError: a subclass naming the problem, as for :func:`layer_norm`.
     """
-    args = (x, normalized_shape, weight, eps, axis, return_stats, out, weight_offset, casting)
+    args = (
+        x, normalized_shape, weight, eps, axis, return_stats, out, weight_offset, casting,
+        quantize, quantize_scale,
+    )  # fmt: skip
     return _run(_RMS_NORM, args, backend)
 
 
@@ -251,6 +280,8 @@ def add_layer_norm(
     out: Any = None,
     residual_out: Any = None,
     weight_offset: float = 0.0,
+    quantize: str | None = None,
+    quantize_scale: float | None = None,
 ) -> Any:
     """Residual add fused with layer normalization: ``h = x + residual``, ``y = layer_norm(h)``.
 
@@ -275,6 +306,8 @@ def add_layer_norm(
             into; may be ``residual`` or ``x`` itself (``out=x, residual_out=residual`` is the
             in-place serving form), never the memory of ``out``. Only with
             ``return_residual=True``.
+        quantize, quantize_scale: as for :func:`layer_norm`: ``(q, scale)`` replaces ``y`` in
+            the result (``(q, scale, h)``, ...); y is the norm of ``h`` in float32.
 
     Returns:
         ``(y, h)``; ``(y, h, mean, rstd)`` with ``return_stats``; with
@@ -288,7 +321,7 @@ def add_layer_norm(
     """
     args = (
         x, residual, normalized_shape, weight, bias, eps, axis, return_stats, return_residual,
-        out, residual_out, weight_offset,
+        out, residual_out, weight_offset, quantize, quantize_scale,
     )  # fmt: skip
     return _run(_ADD_LAYER_NORM, args, backend)
 
@@ -308,6 +341,8 @@ def add_rms_norm(
     residual_out: Any = None,
     weight_offset: float = 0.0,
     casting: str = "exact",
+    quantize: str | None = None,
+    quantize_scale: float | None = None,
 ) -> Any:
     """Residual add fused with RMS normalization: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -318,7 +353,7 @@ def add_rms_norm(
     """
     args = (
         x, residual, normalized_shape, weight, eps, axis, return_stats, return_residual, out,
-        residual_out, weight_offset, casting,
+        residual_out, weight_offset, casting, quantize, quantize_scale,
     )  # fmt: skip
     return _run(_ADD_RMS_NORM, args, backend)
 
@@ -432,6 +467,10 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
     try:
         choice = dispatch.choose(plan, named)
+        if call.quantize is not None:
+            lines.append(f"  quantized outputs: {_quantized_line(table, call, choice, args)}")
+            if not quantization.native(call, _seen_or_composed(table, call, choice, args)):
+                return "\n".join(lines)
         if call.residual_stream:
             seen = _seen(table, call, choice, args)
             if not _composed(table, call, choice) and residual_stream.native(call, seen):
@@ -490,6 +529,33 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         notes = backend_notes(x, plan=plan)
         lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)
+
+
+def _seen_or_composed(
+    op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...]
+) -> dispatch.Choice:
+    """``choice`` as the call runs it: composed by the core, or as torch must see it."""
+    return choice if _composed(op, call, choice) else _seen(op, call, choice, args)
+
+
+def _quantized_line(op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...]) -> str:
+    """explain()'s line on a call's quantized outputs: the mode, the scale, who quantizes."""
+    scale = (
+        "dynamic per-row scale"
+        if call.quantize_scale is None
+        else f"static scale {call.quantize_scale!r}"
+    )
+    seen = _seen_or_composed(op, call, choice, args)
+    if quantization.native(call, seen):
+        return (
+            f"{call.quantize}, {scale}; {choice.backend.name} writes q and scale in its own pass "
+            "over each row (y never in memory)"
+        )
+    base = op.base or op.name
+    return (
+        f"{call.quantize}, {scale}; the core runs {base} for y in float32 (explain it without "
+        "quantize= for its choice) and quantizes it with x's library"
+    )
 
 
 def _invariance(backend: registry.Backend, named: bool) -> str:

@@ -61,6 +61,23 @@ later call of that layout (None: the op's function, as without ``prepare``), so 
 plan's work once; it checks what the plan does not settle (strides, alignment, a weight to
 convert) and hands such calls to the op's function.
 
+A backend whose record claims ``"quantize"`` also defines, for the forward and fused ops it
+serves, one function writing quantized outputs (:mod:`normlab.quantize`)::
+
+    def quantized(x, residual, weight, bias, *, plan, q, scale, residual_out):
+        '''plan.op's y computed in float32 (never rounded to x's dtype; float64 x: its y
+        rounded to float32) and quantized as plan.quantize says into q (2-D, C-contiguous,
+        int8 or float8 e4m3fn; bits as uint8 where the family has no float8 dtype) and scale
+        (1-D (plan.rows,) float32): per row s = plan.quantize_scale, or max|y_row| / 127
+        (int8) or / 448 (fp8_e4m3) when it is None; q = clip(rint(y / s), ±127) (NaN: 0) or
+        clip(y / s, ±448) rounded to nearest even in e4m3fn; q = 0 where s = 0. x, residual
+        (None for layer_norm/rms_norm), residual_out (h, fused ops with return_residual;
+        else None): 2-D C-contiguous like x; weight, bias as for the op. Returns None.'''
+
+Its results are bitwise those of the backend's own ``plan.op`` of float32 x (parameters in
+float32), quantized by normlab's reference quantizer; the core calls it only for calls without
+statistics, gradients or casting order, on C-contiguous rows, and composes the others.
+
 A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the
 arrays of its ``families``: how normlab reads their metadata (dtype, shape, strides, device) and
 the few layout operations it performs on them (permute, reshape, contiguous, copy into, cast).
@@ -72,7 +89,8 @@ The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a ba
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
 ``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
 ``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``weight_offset``,
-``residual_dtype``, ``device``, and for context ``shape``, ``axes``, ``batch_axes`` and
+``residual_dtype``, ``quantize``, ``quantize_scale``, ``device``, and for context ``shape``,
+``axes``, ``batch_axes`` and
 ``normalized_shape`` (the caller's view of the call).
 The rest of a Plan is the core's routing.
 """
@@ -123,6 +141,9 @@ CAPABILITIES: Final = frozenset(
         # (``plan.weight_dtype``, ``plan.bias_dtype``), and computes with them converted to the
         # compute dtype; parameter gradients in the compute dtype (without it, the core passes
         # such parameters converted)
+        "quantize",  # forward and fused ops: writes quantized outputs itself (the module's
+        # ``quantized`` function, ``plan.quantize``/``plan.quantize_scale``; without it, the
+        # core quantizes the backend's float32 y)
     }
 )
 
@@ -175,6 +196,11 @@ class Plan:
     #: float32 and ``y`` the norm of that ``h`` in x's dtype). Set only for a backend that
     #: declares the capability ``"residual_stream"``; None otherwise.
     residual_dtype: str | None = None
+    #: Quantized outputs (``quantize=``): the mode (``"int8"``, ``"fp8_e4m3"``) and the static
+    #: scale (a float32 value; None: per row, dynamic). Set only for the ``quantized`` function
+    #: of a backend that declares the capability ``"quantize"``; None otherwise.
+    quantize: str | None = None
+    quantize_scale: float | None = None
 
     @property
     def has_weight(self) -> bool:
@@ -211,6 +237,8 @@ PLAN_FIELDS: Final = (
     "has_bias",
     "weight_offset",
     "residual_dtype",
+    "quantize",
+    "quantize_scale",
     "device",
     "shape",
     "axes",

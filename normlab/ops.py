@@ -20,11 +20,13 @@ between an output and an input, or between two outputs, is an ArgumentError.
 
 The op's own function (:mod:`normlab.api`) takes ``arguments`` in this order (``backend``
 aside): arrays by the roles above, and by name ``normalized_shape``/``axis`` (the normalized
-axes), ``eps``, ``return_stats``/``return_residual`` (flags), ``out``/``residual_out`` and
-``needs`` (the gradients a backward call asks for). A backend's function for the op takes
-``kernel_arrays`` positionally (2-D rows, 1-D statistics and parameters; an array the call
-lacks is None), then ``plan`` and, by keyword, its output arrays (``out``, ``residual_out``) or
-``needs``, and returns ``kernel_returns`` (see :mod:`normlab.hookspecs`).
+axes), ``eps``, ``return_stats``/``return_residual`` (flags), ``out``/``residual_out``,
+``needs`` (the gradients a backward call asks for), ``weight_offset``, ``casting`` and
+``quantize``/``quantize_scale`` (quantized outputs, :mod:`normlab.quantize`). A backend's
+function for the op takes ``kernel_arrays`` positionally (2-D rows, 1-D statistics and
+parameters; an array the call lacks is None), then ``plan`` and, by keyword, its output arrays
+(``out``, ``residual_out``) or ``needs``, and returns ``kernel_returns`` (see
+:mod:`normlab.hookspecs`).
 
 A fused op names its ``base``: the op it applies after its own first step (``add_layer_norm``
 normalizes ``h = x + residual`` as ``layer_norm`` does). Its gradients are the base op's
@@ -126,6 +128,8 @@ OPS: Final = {
                 "return_stats",
                 "out",
                 "weight_offset",
+                "quantize",
+                "quantize_scale",
             ),
             like_x=("x",),
             per_feature=("weight", "bias"),
@@ -148,6 +152,8 @@ OPS: Final = {
                 "out",
                 "weight_offset",
                 "casting",
+                "quantize",
+                "quantize_scale",
             ),
             like_x=("x",),
             per_feature=("weight",),
@@ -172,6 +178,8 @@ OPS: Final = {
                 "out",
                 "residual_out",
                 "weight_offset",
+                "quantize",
+                "quantize_scale",
             ),
             like_x=("x", "residual"),
             per_feature=("weight", "bias"),
@@ -198,6 +206,8 @@ OPS: Final = {
                 "residual_out",
                 "weight_offset",
                 "casting",
+                "quantize",
+                "quantize_scale",
             ),
             like_x=("x", "residual"),
             per_feature=("weight",),

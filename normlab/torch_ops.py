@@ -271,7 +271,7 @@ def _in_graph_function(op: Op, backend: str) -> Callable[..., tuple[Any, ...]]:
 
 #: What a backend's record claims that its custom ops do not.
 _NOT_IN_GRAPH: Final = frozenset(
-    {"out", "inplace", "weight_offset", "parameter_dtypes", "residual_stream"}
+    {"out", "inplace", "weight_offset", "parameter_dtypes", "residual_stream", "quantize"}
 )
 
 
@@ -279,9 +279,9 @@ class InGraph(Backend):
     """A backend that records no autograd graph, as the core runs it on torch tensors that
     require grad or inside a torch trace: its record without ``out`` and ``inplace`` (the core
     copies the results into the outputs, recorded by torch) and without ``weight_offset``,
-    ``parameter_dtypes`` and ``residual_stream`` (the core forms those in torch's ops, so that
-    autograd carries their gradients: :mod:`normlab.parameters`,
-    :mod:`normlab.residual_stream`), each op through its custom op."""
+    ``parameter_dtypes``, ``residual_stream`` and ``quantize`` (the core forms those in torch's
+    ops, so that autograd and torch's tracing see them: :mod:`normlab.parameters`,
+    :mod:`normlab.residual_stream`, :mod:`normlab.quantize`), each op through its custom op."""
 
     def __init__(self, served: Backend) -> None:
         capabilities = served.capabilities - _NOT_IN_GRAPH

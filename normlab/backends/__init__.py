@@ -83,7 +83,15 @@ BUILTIN_RECORDS: Final = (
         priority=20,
         ops=_OPS | _FUSED_OPS,
         capabilities=frozenset(
-            {"strided", "out", "inplace", "weight_offset", "parameter_dtypes", "residual_stream"}
+            {
+                "strided",
+                "out",
+                "inplace",
+                "weight_offset",
+                "parameter_dtypes",
+                "residual_stream",
+                "quantize",
+            }
         ),
         zero_copy_families=frozenset({"torch"}),
         check=_numba_check,

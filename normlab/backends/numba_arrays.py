@@ -49,10 +49,13 @@ from normlab.hookspecs import Plan
 __all__ = [
     "ARRAYS",
     "RowArgs",
+    "add_every_row",
     "add_normalize",
     "backward",
+    "compute_parameter",
     "normalize",
     "rows_parallel",
+    "segmented",
     "serial_add_rows",
     "serial_rows",
 ]
@@ -72,8 +75,8 @@ def normalize(
     centre: bool,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Both norms: ``centre`` subtracts the row mean (LayerNorm), else none (RMSNorm)."""
-    w = k.ones if weight is None else _parameter(weight, k.compute, plan.weight_offset)
-    b = k.zeros if bias is None else _parameter(bias, k.compute, 0.0)
+    w = k.ones if weight is None else compute_parameter(weight, k.compute, plan.weight_offset)
+    b = k.zeros if bias is None else compute_parameter(bias, k.compute, 0.0)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     y = output_pool.POOL.empty((plan.rows, plan.cols), x.dtype) if out is None else out
@@ -114,8 +117,8 @@ def add_normalize(
     ``residual`` (and ``residual_out``, h) of x's dtype, or float32 beside half x
     (``plan.residual_dtype``: a float32 stream, h kept in float32)."""
     long = k.long
-    w = k.ones if weight is None else _parameter(weight, k.compute, plan.weight_offset)
-    b = k.zeros if bias is None else _parameter(bias, k.compute, 0.0)
+    w = k.ones if weight is None else compute_parameter(weight, k.compute, plan.weight_offset)
+    b = k.zeros if bias is None else compute_parameter(bias, k.compute, 0.0)
     mean = np.empty(plan.rows, k.stats) if plan.return_stats and centre else k.no_stats
     rstd = np.empty(plan.rows, k.stats) if plan.return_stats else k.no_stats
     shape = (plan.rows, plan.cols)
@@ -139,7 +142,7 @@ def add_normalize(
                 h_target = np.empty(shape, residual.dtype)
             else:
                 h_target, in_place = y_bits, None
-            _add_rows((x_bits, r_bits, h_target), threads)
+            add_every_row((x_bits, r_bits, h_target), threads)
             row_args = (h_target, in_place, w, b, plan.eps, mean, rstd, centre)
             if threads > 1:
                 _long_rows_parallel(row_args, threads)
@@ -173,7 +176,7 @@ def backward(
     compute = np.float64 if plan.compute_dtype == "float64" else np.float32
     rows, cols = plan.rows, plan.cols
     chunks = -(-rows // ROW_CHUNK)
-    w = None if weight is None else _parameter(weight, compute, plan.weight_offset)
+    w = None if weight is None else compute_parameter(weight, compute, plan.weight_offset)
     mean = np.empty(0, rstd.dtype) if mean is None else mean
     dx = output_pool.POOL.empty((rows, cols), x.dtype) if "x" in needs else None
     dx_bits = None if dx is None else _as_bits(dx, plan.dtype)
@@ -257,14 +260,14 @@ def _array_params(
     weight: Any, bias: Any, k: KernelTypes, compute: Any, offset: float
 ) -> tuple[Any, Any] | None:
     """Weight (plus ``offset``) and bias as the serial kernels read them (the stand-ins for
-    absent ones), or None when one must be converted first (:func:`_parameter`: another dtype,
-    not C-contiguous)."""
+    absent ones), or None when one must be converted first (:func:`compute_parameter`: another
+    dtype, not C-contiguous)."""
     if weight is None:
         weight = k.ones
     elif not (weight.dtype == compute and weight.flags.c_contiguous):
         return None
     elif offset:
-        weight = _parameter(weight, compute, offset)
+        weight = compute_parameter(weight, compute, offset)
     if bias is None:
         bias = k.zeros
     elif not (bias.dtype == compute and bias.flags.c_contiguous):
@@ -276,6 +279,15 @@ def rows_parallel(args: RowArgs, threads: int) -> None:
     """``layer_norm_rows_parallel`` on ``args`` (those of ``layer_norm_rows`` without the range)."""
     load_serial_first(layer_norm_rows_parallel, args, (layer_norm_rows, (*args, 0, 0)))
     layer_norm_rows_parallel(*args, threads)
+
+
+def segmented(args: RowArgs, threads: int) -> None:
+    """The segmented (long-row) form of the forward on ``args`` on ``threads`` threads (the
+    pool's, held by the caller)."""
+    if threads > 1:
+        _long_rows_parallel(args, threads)
+    else:
+        _long_rows(args)
 
 
 def _long_rows(args: RowArgs) -> None:
@@ -307,7 +319,7 @@ def _long_rows_parallel(args: RowArgs, threads: int) -> None:
     long_rows_parallel(*args, threads)
 
 
-def _add_rows(args: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int) -> None:
+def add_every_row(args: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int) -> None:
     """``h = x + residual`` of every row (``args``: x, residual, h) on ``threads`` threads."""
     if threads > 1:
         load_serial_first(add_rows_parallel, args, (add_rows, (*args, 0, 0)))
@@ -334,7 +346,7 @@ def _same_memory(x: np.ndarray, y: np.ndarray) -> bool:
     return bool(y.__array_interface__["data"][0] == data and y.strides == x.strides)
 
 
-def _parameter(p: Any, compute: Any, offset: float) -> np.ndarray:
+def compute_parameter(p: Any, compute: Any, offset: float) -> np.ndarray:
     """A weight or bias as a contiguous compute-dtype array (``p`` itself when it is one),
     plus ``offset`` (``plan.weight_offset``; 0 for a bias) added in the compute dtype: the bits
     of ``compute(p) + offset`` (:mod:`normlab.parameters`)."""

@@ -43,6 +43,7 @@ from normlab.backends import (
     numba_cache,
     numba_forward,
     numba_fused,
+    numba_quantize,
     output_pool,
 )
 from normlab.backends.numba_arrays import ARRAYS, rows_parallel
@@ -56,6 +57,7 @@ from normlab.backends.numba_pool import (
     always_serial,
     load_serial_first,
 )
+from normlab.backends.numba_quantized import quantized
 from normlab.backends.numba_tensors import TENSORS
 from normlab.errors import NormlabWarning
 from normlab.hookspecs import Plan
@@ -72,13 +74,16 @@ __all__ = [
     "layer_norm_backward",
     "load_serial_first",
     "prepare",
+    "quantized",
     "rms_norm",
     "rms_norm_backward",
     "threading_layer",
     "to_numpy",
 ]
 
-numba_cache.adopt(half_bits, numba_forward, numba_backward, numba_fused, numba_addressed)
+numba_cache.adopt(
+    half_bits, numba_forward, numba_backward, numba_fused, numba_addressed, numba_quantize
+)
 
 
 def _init_numba_extensions() -> None:

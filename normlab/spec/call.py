@@ -36,8 +36,9 @@ class Call:
     ``"bias"`` (a dtype other than x's, or float32 for half x); ``residual_stream`` that a fused
     op's residual is a float32 stream beside half x (:mod:`normlab.residual_stream`);
     ``casting`` the order of RMSNorm's weight multiply and rounding, ``"exact"`` without a
-    weight (:mod:`normlab.casting`); ``reshaped`` that any of the three applies (the public
-    route's one test of them).
+    weight (:mod:`normlab.casting`); ``quantize`` the mode of quantized outputs (None: y) and
+    ``quantize_scale`` their static scale (None: dynamic, per row; :mod:`normlab.quantize`);
+    ``reshaped`` that any of these applies (the public route's one test of them).
     ``routes`` caches, per backend, how the call runs on it (:func:`normlab.route.route`).
     """
 
@@ -54,6 +55,8 @@ class Call:
     parameters: frozenset[str] = frozenset()
     residual_stream: bool = False
     casting: str = "exact"
+    quantize: str | None = None
+    quantize_scale: float | None = None
     reshaped: bool = False
     routes: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -48,6 +48,8 @@ _KINDS: Final = {
     "needs": "needs",
     "weight_offset": "number",
     "casting": "name",
+    "quantize": "name",
+    "quantize_scale": "number",
 }
 
 

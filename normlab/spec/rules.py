@@ -40,6 +40,8 @@ from normlab.spec.aliasing import overlaps_itself
 from normlab.spec.call import Call
 from normlab.spec.casting import CASTINGS
 from normlab.spec.casting import y_dtype as casting_y_dtype
+from normlab.spec.quantize import mode as quantize_mode
+from normlab.spec.quantize import q_dtype, static_scale
 
 __all__ = ["eps_value", "row_call", "validate"]
 
@@ -99,6 +101,13 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         casting = "exact"  # the orders differ only in where the weight multiply happens
     weight_dtype = infos["weight"].dtype if casting != "exact" else None
     y_dtype = casting_y_dtype(casting, xi.dtype, weight_dtype)
+    quantize = quantize_mode(given.get("quantize"))
+    quantize_scale = static_scale(given.get("quantize_scale"), quantize)
+    if quantize is not None and casting == "t5":
+        raise ArgumentError(
+            "quantize= with casting='t5' is not served: T5's order rounds x̂ to the weight's "
+            "dtype, so its float32 y is not defined; use casting='exact' or 'llama'"
+        )
     eps = _eps(op, given.get("eps"), compute)
     return_stats = given.get("return_stats", False)
     if not isinstance(return_stats, bool):
@@ -116,7 +125,10 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         name: layout.row_view_strides(infos[name].shape, infos[name].strides, batch_axes, axes)
         for name in op.like_x
     }
-    outputs = _check_out(op, out, xi, return_stats, stats_shape, compute, y_dtype)
+    if quantize is None:
+        outputs = _check_out(op, out, xi, return_stats, stats_shape, compute, y_dtype)
+    else:
+        outputs = _check_quantized_out(op, out, xi, return_stats, stats_shape, compute, quantize)
     if residual_out is not None:
         outputs["h"] = _check_out_array("residual_out", residual_out, xi, xi.shape, h_dtype)
     for name in ("y", "h"):
@@ -156,7 +168,12 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         parameters=frozenset(composed),
         residual_stream=h_dtype != xi.dtype,
         casting=casting,
-        reshaped=bool(composed) or h_dtype != xi.dtype or casting != "exact",
+        quantize=quantize,
+        quantize_scale=quantize_scale,
+        reshaped=bool(composed)
+        or h_dtype != xi.dtype
+        or casting != "exact"
+        or quantize is not None,
     )
 
 
@@ -541,6 +558,46 @@ def _check_out(
             outputs[name] = _check_out_array("out", o, xi, xi.shape, y_dtype)
         else:
             outputs[name] = _check_out_array(f"out ({name})", o, xi, stats_shape, stats_dtype)
+    return outputs
+
+
+def _check_quantized_out(
+    op: Op,
+    out: Any,
+    xi: ArrayInfo,
+    return_stats: bool,
+    stats_shape: tuple[int, ...],
+    stats_dtype: str,
+    quantize: str,
+) -> dict[str, ArrayInfo]:
+    """The outputs given in ``out`` for a quantized call: ``q`` alone, or a tuple ``(q,
+    scale)`` (with ``return_stats``, then the statistics), None entries allocated; q of x's
+    shape in the mode's dtype, scale keepdims-shaped float32, each checked."""
+    if out is None:
+        return {}
+    names = ("q", "scale", *(op.stats_outputs if return_stats else ()))
+    if isinstance(out, tuple) and len(out) != len(names):
+        raise ArgumentError(
+            f"out of a call with quantize={quantize!r} is q or a tuple ({', '.join(names)}) "
+            f"with None for entries to allocate; got a tuple of {len(out)}"
+        )
+    if xi.requires_grad:
+        raise ArgumentError(
+            "out= cannot be used when x requires grad (the result would be detached)"
+        )
+    entries = out if isinstance(out, tuple) else (out,)
+    dtypes = {
+        "q": q_dtype(quantize, xi.family),
+        "scale": "float32",
+        "mean": stats_dtype,
+        "rstd": stats_dtype,
+    }
+    outputs: dict[str, ArrayInfo] = {}
+    for name, o in zip(names, entries, strict=False):  # a bare out: q alone
+        if o is not None:
+            shape = xi.shape if name == "q" else stats_shape
+            what = "out" if name == "q" and not isinstance(out, tuple) else f"out ({name})"
+            outputs[name] = _check_out_array(what, o, xi, shape, dtypes[name])
     return outputs
 
 

@@ -62,6 +62,8 @@ def test_layer_norm_signature() -> None:
         ("return_stats", P.KEYWORD_ONLY, False),
         ("out", P.KEYWORD_ONLY, None),
         ("weight_offset", P.KEYWORD_ONLY, 0.0),
+        ("quantize", P.KEYWORD_ONLY, None),
+        ("quantize_scale", P.KEYWORD_ONLY, None),
     ]
     assert [(p.name, p.kind, p.default) for p in params.values()] == expected
 

@@ -1,0 +1,261 @@
+"""Quantized outputs: the forward and fused ops returning ``(q, scale)`` in place of y.
+
+In W8A8 serving every norm feeds a quantized matmul. With ``quantize="int8"`` or
+``"fp8_e4m3"`` (:mod:`normlab.spec.quantize`) an op returns q, x's shape in the mode's dtype,
+and scale, float32 with the statistics' keepdims shape, such that ``q · scale ≈ y``:
+
+- y is the op's y in float32, never rounded to x's dtype: the op of float32 x (its parameters
+  as usual); float64 x's y rounded to float32; with ``casting="llama"``, the float32 product of
+  x̂ rounded to x's dtype and the weight. A fused op's h is the op's own (x's dtype, or the
+  float32 stream), and y the base op's of float32 h;
+- scale per row: the static ``quantize_scale`` given, or ``max|y_row| / 127`` (int8) or
+  ``/ 448`` (fp8 e4m3fn), a float32 division (NaN in the row: NaN);
+- ``v = y / scale`` in float32 (0 where the scale is 0); int8: ``clip(rint(v), -127, 127)``,
+  rounded half to even, NaN to 0; fp8: ``clip(v, -448, 448)`` rounded to nearest even in
+  e4m3fn (NaN stays NaN).
+
+:func:`reference` is that quantizer in the array's own library; a call is bitwise the chosen
+backend's float32 y followed by it. A backend that declares ``"quantize"`` (numba) writes q
+and scale in its own pass over each row, with y never in memory (:func:`native`); for the
+others the core runs the backend's op for y in float32 and quantizes it (:func:`run`). Every
+step is per row: a row's bits do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import array_api_compat
+
+from normlab import arrays, parameters, residual_stream
+from normlab.dispatch import Choice
+from normlab.errors import DtypeError
+from normlab.ops import OPS, Op
+from normlab.spec import Call
+from normlab.spec.aliasing import output_aliasing
+from normlab.spec.quantize import LIMITS, q_dtype
+
+__all__ = ["e4m3_bits", "native", "q_dtype_of", "reference", "run"]
+
+#: The largest magnitude of float8 e4m3fn, and its smallest normal number.
+_FP8_MAX = 448.0
+_FP8_MIN_NORMAL = 2.0**-6
+
+
+def native(call: Call, choice: Choice) -> bool:
+    """Whether the chosen backend (as the call runs it) writes the quantized outputs of ``call``
+    itself: it declares ``"quantize"`` and takes the call's other options as given, and the call
+    has no statistics, no graph, no casting order and C-contiguous rows in x's axes."""
+    plan, op = call.plan, call.op
+    return (
+        "quantize" in choice.backend.capabilities
+        and not choice.composed
+        and not plan.return_stats
+        and not plan.requires_grad
+        and not plan.empty
+        and call.casting == "exact"
+        and call.permutation is None
+        and not call.non_native
+        and all(call.strides[name] == (plan.cols, 1) for name in op.like_x)
+        and parameters.native(call, choice)
+        and residual_stream.native(call, choice)
+    )
+
+
+def run(
+    call: Call,
+    args: tuple[Any, ...],
+    choice: Choice,
+    base_run: Callable[[Op, tuple[Any, ...]], Any],
+) -> Any:
+    """What the op of ``call`` (with ``quantize``) returns: ``(q, scale)``, then h for a fused
+    op with ``return_residual``, then the statistics with ``return_stats``. ``choice`` is the
+    backend as the call runs it; ``base_run`` runs a call of an op from its arguments in table
+    order (the public route)."""
+    op, plan = call.op, call.plan
+    given = dict(zip(op.arguments, args, strict=True))
+    out = given["out"]
+    entries = out if isinstance(out, tuple) else (out,)
+    names = ("q", "scale", *(op.stats_outputs if plan.return_stats else ()))
+    outs = dict(zip(names, entries, strict=False))
+    if call.outputs:
+        outputs = {**outs, "h": given.get("residual_out")}
+        output_aliasing(op, {name: given[name] for name in op.arrays}, outputs)
+    if native(call, choice):
+        q, scale, h = _native(call, given, choice)
+        stats: tuple[Any, ...] = ()
+    else:
+        q, scale, h, stats = _composed(call, given, outs, base_run)
+    q = _into(outs.get("q"), q)
+    scale = _into(outs.get("scale"), scale)
+    head = (q, scale, h) if plan.return_residual else (q, scale)
+    return (*head, *stats)
+
+
+def _composed(
+    call: Call,
+    given: dict[str, Any],
+    outs: dict[str, Any],
+    base_run: Callable[[Op, tuple[Any, ...]], Any],
+) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """q, scale, h (None for an op without) and the statistics: the backend's y in float32,
+    then :func:`reference`."""
+    op, plan = call.op, call.plan
+    x = given["x"]
+    h = None
+    source = x
+    if op.base is not None:
+        residual = given["residual"]
+        h = arrays.astype(x, residual.dtype) + residual if call.residual_stream else x + residual
+        if given["residual_out"] is not None:
+            arrays.copy_into(given["residual_out"], h)
+            h = given["residual_out"]
+        source = h
+    base = OPS[op.base] if op.base is not None else op
+    float32 = _library_dtype(x, "float32")
+    widened = {**given}
+    if call.casting == "llama":  # x̂ rounded to x's dtype, multiplied in float32
+        widened["weight"] = arrays.astype(given["weight"], float32)
+    elif arrays.info(source).dtype != "float64":
+        source = arrays.astype(source, float32)
+    stats_out = tuple(outs.get(name) for name in op.stats_outputs)
+    base_given = {
+        **widened,
+        "x": source,
+        "normalized_shape": None,
+        "axis": plan.axes,
+        "eps": plan.eps,
+        "out": (None, *stats_out) if plan.return_stats and any(stats_out) else None,
+        "quantize": None,
+        "quantize_scale": None,
+    }
+    result = base_run(base, tuple(base_given[name] for name in base.arguments))
+    y, stats = (result[0], tuple(result[1:])) if plan.return_stats else (result, ())
+    if arrays.info(y).dtype != "float32":
+        y = arrays.astype(y, float32)
+    q, scale = reference(y, call.quantize or "", call.quantize_scale, plan.axes)
+    return q, scale, h, stats
+
+
+def _native(call: Call, given: dict[str, Any], choice: Choice) -> tuple[Any, Any, Any]:
+    """q, scale and h (None for an op without, or without ``return_residual``) from the
+    backend's ``quantized`` function, on 2-D rows of the caller's arrays."""
+    op, plan = call.op, call.plan
+    x = given["x"]
+    rows = (plan.rows, plan.cols)
+    xp = array_api_compat.array_namespace(x)
+    device = array_api_compat.device(x)
+    q = xp.empty(rows, dtype=q_dtype_of(x, call.quantize or ""), device=device)
+    scale = xp.empty((plan.rows,), dtype=_library_dtype(x, "float32"), device=device)
+    residual = h = None
+    if op.base is not None:
+        residual = arrays.reshape(given["residual"], rows)
+        if plan.return_residual:
+            given_h = given["residual_out"]
+            h = xp.empty(rows, dtype=residual.dtype, device=device) if given_h is None else None
+            if given_h is not None and call.strides["h"] == (plan.cols, 1):
+                h = arrays.reshape(given_h, rows)
+            elif given_h is not None:
+                h = xp.empty(rows, dtype=residual.dtype, device=device)
+    quantized_plan = dataclasses.replace(
+        plan, quantize=call.quantize, quantize_scale=call.quantize_scale
+    )
+    choice.backend.function("quantized")(
+        arrays.reshape(x, rows),
+        residual,
+        given["weight"],
+        given.get("bias"),
+        plan=quantized_plan,
+        q=q,
+        scale=scale,
+        residual_out=h,
+    )
+    if h is not None:
+        h = arrays.reshape(h, plan.shape)
+        if given["residual_out"] is not None:
+            h = _into(given["residual_out"], h)
+    stats_shape = tuple(1 if a in plan.axes else n for a, n in enumerate(plan.shape))
+    return arrays.reshape(q, plan.shape), arrays.reshape(scale, stats_shape), h
+
+
+def _into(given: Any, result: Any) -> Any:
+    """``result`` written into the caller's ``given`` array (returned), or ``result``."""
+    if given is None or given is result:
+        return result
+    arrays.copy_into(given, result)
+    return given
+
+
+def reference(y: Any, mode: str, static: float | None, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """normlab's quantizer: ``(q, scale)`` of float32 ``y`` in ``mode`` (the module docstring
+    has the formulas), per row over the normalized ``axes``; ``static``: the scale of every row,
+    or None (dynamic). In y's own library, elementwise and per row."""
+    xp = array_api_compat.array_namespace(y)
+    float32 = y.dtype
+    shape = tuple(1 if a in axes else n for a, n in enumerate(y.shape))
+    device = array_api_compat.device(y)
+    if static is None:
+        limit = xp.asarray(LIMITS[mode], dtype=float32, device=device)
+        if any(y.shape[a] == 0 for a in axes):  # rows without elements: nothing to scale
+            scale = xp.zeros(shape, dtype=float32, device=device)
+        else:
+            scale = xp.max(xp.abs(y), axis=axes, keepdims=True) / limit
+    else:
+        scale = xp.full(shape, static, dtype=float32, device=device)
+    zero = scale == 0
+    v = y / scale
+    zeros = xp.zeros_like(v)
+    if mode == "int8":
+        r = xp.clip(xp.round(v), -127.0, 127.0)
+        r = xp.where(zero | xp.isnan(r), zeros, r)
+        return xp.astype(r, q_dtype_of(y, mode)), scale
+    r = xp.where(zero, zeros, xp.clip(v, -_FP8_MAX, _FP8_MAX))
+    if q_dtype(mode, arrays.info(y).family) == "uint8":  # a library without float8
+        return e4m3_bits(r), scale
+    return xp.astype(r, q_dtype_of(y, mode)), scale
+
+
+def e4m3_bits(v: Any) -> Any:
+    """The float8 e4m3fn bit patterns (uint8) of float32 ``v`` (a NumPy or CuPy array) already
+    within ±448, rounded to nearest even; NaN: 0x7F with v's sign bit. For libraries without a
+    float8 dtype."""
+    lib = importlib.import_module(type(v).__module__.split(".")[0])
+    a = lib.abs(v)
+    _, e = lib.frexp(a)  # a = m · 2**e with 0.5 <= m < 1: a's normal exponent is e - 1
+    # normal: exponent field e + 6, mantissa rint(a / 2**(e - 4)) - 8 (a carry to 16 moves
+    # into the exponent by itself); below 2**-6, units of 2**-9 (8 of them: the smallest normal)
+    normal = (e.astype(lib.float32) + 5.0) * 8.0 + lib.rint(lib.ldexp(a, 4 - e))
+    subnormal = lib.rint(a * lib.float32(512.0))
+    bits = lib.where(a < _FP8_MIN_NORMAL, subnormal, normal)
+    bits = lib.where(lib.isnan(v), lib.float32(127.0), bits)
+    bits = bits + lib.where(lib.signbit(v), lib.float32(128.0), lib.float32(0.0))
+    return bits.astype(lib.uint8)
+
+
+def q_dtype_of(like: Any, mode: str) -> Any:
+    """The dtype object of q for ``mode`` in ``like``'s library."""
+    name = q_dtype(mode, arrays.info(like).family)
+    xp = array_api_compat.array_namespace(like)
+    found = getattr(xp, name, None)
+    if found is None and arrays.info(like).family == "numpy":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise DtypeError(
+                f"quantize={mode!r} on NumPy arrays needs ml_dtypes for its {name} "
+                "(pip install 'normlab[bfloat16]')"
+            ) from None
+        found = getattr(ml_dtypes, name)
+    if found is None:
+        found = getattr(importlib.import_module(type(like).__module__.split(".")[0]), name, None)
+    if found is None:
+        raise DtypeError(f"quantize={mode!r}: {type(like).__module__} has no dtype {name}")
+    return found
+
+
+def _library_dtype(like: Any, name: str) -> Any:
+    """The dtype named ``name`` in ``like``'s library."""
+    return getattr(array_api_compat.array_namespace(like), name)
