@@ -64,11 +64,11 @@ def quantized(
             y = _long_y(x_np, r_np, h_np, w, b, plan, centre, threads)
             quantized_rows(y, kernel_q, kernel_scale, *tail, threads)
         elif r_np is None:
-            args = (x_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
-            _run(norm_quantize_rows, norm_quantize_rows_parallel, args, plan.rows, threads)
+            rows = (x_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
+            _run(norm_quantize_rows, norm_quantize_rows_parallel, rows, plan.rows, threads)
         else:
-            args = (x_np, r_np, h_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
-            _run(add_norm_quantize_rows, add_norm_quantize_rows_parallel, args, plan.rows, threads)
+            added = (x_np, r_np, h_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
+            _run(add_norm_quantize_rows, add_norm_quantize_rows_parallel, added, plan.rows, threads)
     finally:
         POOL.release(threads)
 

@@ -19,21 +19,24 @@ bit patterns as ``uint8``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 from typing import Any, Final
 
 import numpy as np
 
-from normlab.errors import ArgumentError, ArgumentTypeError
+from normlab.errors import ArgumentError, ArgumentTypeError, DtypeError
 
-__all__ = ["LIMITS", "MODES", "mode", "q_dtype", "static_scale"]
+__all__ = ["LIMITS", "MODES", "check_family", "mode", "q_dtype", "static_scale"]
 
 #: Each mode's largest magnitude of q (the dynamic scale is ``max|y_row| / LIMITS[mode]``).
 LIMITS: Final = {"int8": 127.0, "fp8_e4m3": 448.0}
 MODES: Final = tuple(LIMITS)
 #: Families whose float8 q is held as its bit patterns (they have no float8 dtype).
 _FP8_AS_BITS: Final = frozenset({"cupy"})
+#: Families with a float8 e4m3fn q (NumPy's through ml_dtypes), or its bits.
+_FP8_FAMILIES: Final = frozenset({"numpy", "torch", "jax"}) | _FP8_AS_BITS
 
 
 def q_dtype(mode: str, family: str) -> str:
@@ -54,6 +57,23 @@ def mode(value: Any) -> str | None:
     if value not in LIMITS:
         raise ArgumentError(f"quantize must be None or one of {', '.join(MODES)}; got {value!r}")
     return value
+
+
+def check_family(quantize: str | None, family: str) -> None:
+    """Refuse a float8 mode for arrays of a family without a float8 dtype (or NumPy without
+    ml_dtypes)."""
+    if quantize != "fp8_e4m3":
+        return
+    if family not in _FP8_FAMILIES:
+        raise DtypeError(
+            f"quantize='fp8_e4m3' needs a float8 e4m3fn dtype; {family} arrays have none "
+            "(quantize='int8' is served)"
+        )
+    if family == "numpy" and importlib.util.find_spec("ml_dtypes") is None:
+        raise DtypeError(
+            "quantize='fp8_e4m3' on NumPy arrays needs ml_dtypes for its float8_e4m3fn "
+            "(pip install 'normlab[bfloat16]')"
+        )
 
 
 def static_scale(value: Any, quantize: str | None) -> float | None:

@@ -40,8 +40,8 @@ from normlab.spec.aliasing import overlaps_itself
 from normlab.spec.call import Call
 from normlab.spec.casting import CASTINGS
 from normlab.spec.casting import y_dtype as casting_y_dtype
+from normlab.spec.quantize import check_family, q_dtype, static_scale
 from normlab.spec.quantize import mode as quantize_mode
-from normlab.spec.quantize import q_dtype, static_scale
 
 __all__ = ["eps_value", "row_call", "validate"]
 
@@ -103,6 +103,7 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     y_dtype = casting_y_dtype(casting, xi.dtype, weight_dtype)
     quantize = quantize_mode(given.get("quantize"))
     quantize_scale = static_scale(given.get("quantize_scale"), quantize)
+    check_family(quantize, xi.family)
     if quantize is not None and casting == "t5":
         raise ArgumentError(
             "quantize= with casting='t5' is not served: T5's order rounds x̂ to the weight's "

@@ -18,8 +18,11 @@ that rounded ``h``, return forms, outputs, in-place forms, aliasing refusals), `
 (``normlab.layer_norm_backward`` / ``rms_norm_backward`` where the record lists
 ``"layer_norm_backward"`` / ``"rms_norm_backward"``, skipped with the reason otherwise: finite
 differences, the float64 oracle and torch.autograd, large offsets, bitwise repeatability
-across runs and thread counts, ``needs``, bad inputs). Cases live in :mod:`.cases` (backward
-ones in :mod:`.backward_cases`, fused ones in :mod:`.fused_cases`), dtypes, layouts and
+across runs and thread counts, ``needs``, bad inputs), ``test_parameters`` (offset weights,
+parameters of any float dtype, casting orders), ``test_quantize`` (quantized outputs: the
+float32 y quantized, bitwise; ties rounded half to even; saturation; ``out=``). Cases live
+in :mod:`.cases` (backward ones in :mod:`.backward_cases`, fused ones in
+:mod:`.fused_cases`), dtypes, layouts and
 conversions of arrays in :mod:`.conversions`, bad inputs and their messages in
 :mod:`.bad_inputs`, hypothesis strategies and profiles in :mod:`.strategies`,
 tolerances in :mod:`.tolerances`, the backward's float64 oracles in

@@ -18,6 +18,7 @@ AREAS: Final = (
     "errors",  # every bad input raises its NormlabError subclass
     "fused",  # add_layer_norm, add_rms_norm: h bitwise, y of the rounded h, outputs, aliasing
     "parameters",  # weight_offset, weights and biases of any float dtype, on every op
+    "quantize",  # quantized outputs (int8, float8 e4m3fn): the float32 y quantized, bitwise
     "backward",  # the backward ops
 )
 
@@ -55,6 +56,7 @@ _BY_MODULE: Final = {
     "test_errors": "errors",
     "test_fused": "fused",
     "test_parameters": "parameters",
+    "test_quantize": "quantize",
     "test_backward": "backward",
 }
 

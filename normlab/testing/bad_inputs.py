@@ -147,6 +147,8 @@ LN: Final = frozenset({"layer_norm"})
 RMS: Final = frozenset({"rms_norm"})
 #: The fused ops: their calls get a residual like x unless the entry gives one.
 FUSED: Final = frozenset({"add_layer_norm", "add_rms_norm"})
+#: The ops with quantized outputs.
+FORWARD_AND_FUSED: Final = frozenset({"layer_norm", "rms_norm"}) | FUSED
 
 
 _BAD: Final = (
@@ -305,6 +307,72 @@ _BAD: Final = (
             "casting": "llama",
             "out": i.array(X_SHAPE, "float16"),
         },
+        RMS,
+    ),
+    BadInput(
+        "quantize-unknown",
+        ArgumentError,
+        "quantize must be None or one of int8, fp8_e4m3; got 'int4'",
+        lambda i: {"quantize": "int4"},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
+        "quantize-not-a-name",
+        ArgumentTypeError,
+        "quantize must be None or one of",
+        lambda i: {"quantize": 8},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
+        "quantize-scale-not-finite",
+        ArgumentError,
+        "quantize_scale must be finite and > 0",
+        lambda i: {"quantize": "int8", "quantize_scale": float("inf")},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
+        "quantize-scale-zero",
+        ArgumentError,
+        "quantize_scale must be finite and > 0",
+        lambda i: {"quantize": "fp8_e4m3", "quantize_scale": 0.0},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
+        "quantize-scale-negative",
+        ArgumentError,
+        "quantize_scale must be finite and > 0",
+        lambda i: {"quantize": "int8", "quantize_scale": -0.5},
+    ),
+    BadInput(
+        "quantize-scale-not-a-number",
+        ArgumentTypeError,
+        "quantize_scale must be a real number",
+        lambda i: {"quantize": "int8", "quantize_scale": "0.1"},
+    ),
+    BadInput(
+        "quantize-scale-without-mode",
+        ArgumentError,
+        "quantize_scale=0.5 was given without quantize=",
+        lambda i: {"quantize_scale": 0.5},
+    ),
+    BadInput(
+        "quantize-out-of-y-dtype",
+        DtypeError,
+        "out has dtype {dtype}; it must be int8",
+        lambda i: {"quantize": "int8", "out": i.array()},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
+        "quantize-scale-out-wrong-shape",
+        ShapeError,
+        r"out \(scale\) has shape",
+        lambda i: {"quantize": "int8", "out": (None, i.array((2, 3, 4), "float32"))},
+    ),
+    BadInput(
+        "quantize-with-t5",
+        ArgumentError,
+        "quantize= with casting='t5' is not served",
+        lambda i: {"weight": i.array((4,)), "casting": "t5", "quantize": "int8"},
         RMS,
     ),
     BadInput(

@@ -16,6 +16,7 @@ suite's fused tests can fail it. :func:`registered` registers a plugin for the d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import types
@@ -88,6 +89,13 @@ FLAWS: Final = {
     "offset_on_bias": "adds weight_offset to the bias as well as to the weight",
     "stream_rounded_h": "declares the capability residual_stream and rounds h = float32(x) + "
     "residual to x's half dtype before normalizing it (h returned as that rounded value)",
+    "quant_round_half_away": "quantizes with ties rounded away from zero (int8 and e4m3fn), not "
+    "to even",
+    "quant_scale_from_half_y": "takes the dynamic scale from y rounded to x's half dtype, not "
+    "from the float32 y",
+    "quant_no_saturation": "converts y / scale to int8 (wrapping) or e4m3fn (NaN past 464) "
+    "without saturating at ±127 / ±448",
+    "quant_per_tensor_scale": "takes one dynamic scale for the whole batch, not one per row",
 }
 
 #: The flaws proper (every one but the control).
@@ -112,6 +120,15 @@ ONLY: Final = {
     **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
     **dict.fromkeys(("offset_in_x_dtype", "offset_ignored", "offset_on_bias"), "weight_offset"),
     "stream_rounded_h": "residual_stream",
+    **dict.fromkeys(
+        (
+            "quant_round_half_away",
+            "quant_scale_from_half_y",
+            "quant_no_saturation",
+            "quant_per_tensor_scale",
+        ),
+        "quantize",
+    ),
 }
 
 #: flaw -> tests of the suite before batch invariance, float32 accuracy and 4096-row half
@@ -145,6 +162,10 @@ OFFSET_FLAWS: Final = frozenset({"offset_in_x_dtype", "offset_ignored", "offset_
 #: The flaws of a float32 residual stream (a mutant whose record declares the capability
 #: ``"residual_stream"``; the other mutants leave the stream to the core).
 STREAM_FLAWS: Final = frozenset({"stream_rounded_h"})
+
+#: The flaws of quantized outputs (mutants whose record declares the capability
+#: ``"quantize"``, as the control's does: the suite sees their own ``quantized``).
+QUANTIZE_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("quant_"))
 
 #: The flaws of a torch-family mutant (normlab's torch backend with one fix undone).
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
@@ -401,6 +422,69 @@ def _rounded_stream(
     return y, _h_into(h, residual, residual_out) if plan.return_residual else None, mean, rstd
 
 
+def quantized(
+    x: np.ndarray,
+    residual: np.ndarray | None,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    *,
+    plan: Plan,
+    q: np.ndarray,
+    scale: np.ndarray,
+    residual_out: np.ndarray | None,
+    flaw: str = "control",
+) -> None:
+    """Quantized outputs (normlab's ``quantized`` contract): the control kernels' float32 y of
+    float32 x (or h), quantized in NumPy, with ``flaw``."""
+    source = x
+    if residual is not None:
+        source = np.add(x, residual)  # rounded to x's dtype, as the family's add
+        if residual_out is not None:
+            residual_out[...] = source
+    wide = source if source.dtype == np.float64 else source.astype(np.float32)
+    base = plan.op.removeprefix("add_")
+    norm = layer_norm if base == "layer_norm" else rms_norm
+    base_plan = dataclasses.replace(
+        plan, op=base, dtype=wide.dtype.name, quantize=None, quantize_scale=None
+    )
+    y = norm(wide, weight, bias, plan=base_plan, out=None)[0].astype(np.float32)
+    limit = 127.0 if plan.quantize == "int8" else 448.0
+    magnitudes = np.abs(y)
+    if flaw == "quant_scale_from_half_y" and x.dtype.itemsize == 2:
+        magnitudes = np.abs(y.astype(x.dtype).astype(np.float32))
+    if plan.quantize_scale is not None:
+        s = np.full((plan.rows, 1), plan.quantize_scale, np.float32)
+    elif flaw == "quant_per_tensor_scale":
+        s = np.full((plan.rows, 1), magnitudes.max(initial=0.0) / np.float32(limit), np.float32)
+    else:
+        s = magnitudes.max(axis=1, keepdims=True, initial=0.0) / np.float32(limit)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = np.where(s == 0, np.float32(0.0), y / np.where(s == 0, np.float32(1.0), s))
+        if flaw != "quant_no_saturation":
+            v = np.clip(v, -limit, limit)
+        if plan.quantize == "int8":
+            r = (
+                np.floor(np.abs(v) + 0.5) * np.sign(v)
+                if flaw == "quant_round_half_away"
+                else np.rint(v)
+            )
+            r = np.where(np.isnan(r), 0.0, r)
+            q[...] = (r.astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
+        else:
+            if flaw == "quant_round_half_away":
+                v = _e4m3_half_away(v)
+            q[...] = v.astype(q.dtype)
+    scale[...] = s[:, 0]
+
+
+def _e4m3_half_away(v: np.ndarray) -> np.ndarray:
+    """``v`` rounded to e4m3fn's precision with ties away from zero (then exact in e4m3fn)."""
+    a = np.abs(v).astype(np.float64)
+    exponent = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    quantum = 2.0 ** (np.maximum(exponent, -6) - 3)
+    return (np.floor(a / quantum + 0.5) * quantum * np.sign(v)).astype(np.float32)
+
+
 def _h_into(h: np.ndarray, x: np.ndarray, residual_out: np.ndarray | None) -> np.ndarray:
     """h rounded to x's dtype, in ``residual_out`` when given."""
     target = residual_out if residual_out is not None else np.empty(x.shape, x.dtype)
@@ -542,7 +626,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
     module = types.ModuleType(module_name, f"A mutant that {FLAWS[flaw]}.")
     if flaw in TORCH_FLAWS:
         return _torch_plugin(module, flaw, **record_fields)
-    if flaw in BACKWARD_FLAWS | OFFSET_FLAWS | STREAM_FLAWS | {"control"}:
+    if flaw in BACKWARD_FLAWS | OFFSET_FLAWS | STREAM_FLAWS | QUANTIZE_FLAWS | {"control"}:
         ops = _ALL_OPS
     elif flaw in FUSED_FLAWS:
         ops = frozenset({"layer_norm", "add_layer_norm"})
@@ -559,6 +643,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
         capabilities=frozenset(
             {"strided", "out", "inplace", "weight_offset"}
             | ({"residual_stream"} if flaw in STREAM_FLAWS else set())
+            | ({"quantize"} if flaw in QUANTIZE_FLAWS | {"control"} else set())
         ),
         # the library whose thread count the suite varies (bwd_thread_chunks follows it)
         library="numba" if flaw == "bwd_thread_chunks" else None,
@@ -583,6 +668,7 @@ def plugin(flaw: str, **record_fields: Any) -> types.ModuleType:
         add_layer_norm, flaw=flaw
     )
     module.add_rms_norm = functools.partial(add_rms_norm, flaw=flaw)  # type: ignore[attr-defined]
+    module.quantized = functools.partial(quantized, flaw=flaw)  # type: ignore[attr-defined]
     module.to_numpy = to_numpy  # type: ignore[attr-defined]
     module.from_numpy = from_numpy  # type: ignore[attr-defined]
     if flaw == "prepared_one_ulp_off":
