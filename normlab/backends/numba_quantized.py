@@ -113,16 +113,27 @@ def _long_y(
     centre: bool,
     threads: int,
 ) -> np.ndarray:
-    """Long rows' y in float32, by the forward's segmented kernels (for the fused ops h added
-    first, into h or a scratch array)."""
+    """Long rows' y in float32: x (for the fused ops h, added first into h or a scratch array)
+    converted to float32, then the forward's segmented kernels, as the float32 call runs them
+    (the kernels' sums may be vectorized differently for another element type); float64 x in
+    float64, rounded after."""
     if r is not None:
         target = h if h is not None else np.empty(x.shape, r.dtype)
         add_every_row((x, r, target), threads)
         x = target
-    y = np.empty(x.shape, np.float32)
-    no_stats = np.empty(0, np.float64 if plan.compute_dtype == "float64" else np.float32)
-    segmented((x, y, w, b, plan.eps, no_stats, no_stats, centre), threads)
-    return y
+    h_dtype = plan.residual_dtype or plan.dtype
+    wide = x if h_dtype in ("float32", "float64") else _widened(x, h_dtype)
+    y = np.empty(wide.shape, wide.dtype)
+    no_stats = np.empty(0, wide.dtype)
+    segmented((wide, y, w, b, plan.eps, no_stats, no_stats, centre), threads)
+    return y if y.dtype == np.float32 else y.astype(np.float32)
+
+
+def _widened(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 of a half array given as its bits (``BITS``)."""
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return bits.view(np.float16).astype(np.float32)
 
 
 def _numpy(a: Any, parameter: bool = False) -> Any:

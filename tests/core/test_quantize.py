@@ -112,8 +112,9 @@ def test_numba_pass_is_the_core_composition() -> None:
     import numba
 
     rng = np.random.default_rng(1)
-    for cols in (33, 4096, 40_000):
-        x = rng.standard_normal((50, cols * 2)).astype(ml_dtypes.bfloat16)
+    for cols in (33, 4096, 300_000):  # 300,000 float32: long rows (more than 1 MiB)
+        rows = 3 if cols > 100_000 else 50
+        x = rng.standard_normal((rows, cols * 2)).astype(ml_dtypes.bfloat16)
         strided = x[:, ::2]  # not C-contiguous rows: composed
         contiguous = np.ascontiguousarray(strided)
         weight = rng.standard_normal(cols).astype(np.float32)
