@@ -64,18 +64,21 @@ convert) and hands such calls to the op's function.
 A backend whose record claims ``"quantize"`` also defines, for the forward and fused ops it
 serves, one function writing quantized outputs (:mod:`normlab.quantize`)::
 
-    def quantized(x, residual, weight, bias, *, plan, q, scale, residual_out):
+    def quantized(x, residual, weight, bias, *, plan, residual_out):
         '''plan.op's y computed in float32 (never rounded to x's dtype; float64 x: its y
-        rounded to float32) and quantized as plan.quantize says into q (2-D, C-contiguous,
-        int8 or float8 e4m3fn; bits as uint8 where the family has no float8 dtype) and scale
-        (1-D (plan.rows,) float32): per row s = plan.quantize_scale, or max|y_row| / 127
-        (int8) or / 448 (fp8_e4m3) when it is None; q = clip(rint(y / s), ±127) (NaN: 0) or
-        clip(y / s, ±448) rounded to nearest even in e4m3fn; q = 0 where s = 0. x, residual
-        (None for layer_norm/rms_norm), residual_out (h, fused ops with return_residual;
-        else None): 2-D C-contiguous like x; weight, bias as for the op. Returns None.'''
+        rounded to float32) and quantized as plan.quantize says: per row s =
+        plan.quantize_scale, or max|y_row| / 127 (int8) or / 448 (fp8_e4m3) when it is None;
+        q = clip(rint(y / s), ±127) (NaN: 0) or clip(y / s, ±448) rounded to nearest even in
+        e4m3fn; q = 0 where s = 0. x, residual (None for layer_norm/rms_norm): 2-D
+        C-contiguous like x; weight, bias as for the op; residual_out: None, or a 2-D
+        C-contiguous array to write h into (fused ops with plan.return_residual).
+        Returns (q, scale, h): q 2-D (plan.rows, plan.cols), int8 or float8 e4m3fn (bits as
+        uint8 where the family has no float8 dtype); scale 1-D (plan.rows,) float32; h the
+        fused op's h (residual_out itself when given; None for the other ops or without
+        plan.return_residual).'''
 
-Its results are bitwise those of the backend's own ``plan.op`` of float32 x (parameters in
-float32), quantized by normlab's reference quantizer; the core calls it only for calls without
+Its results are bitwise those of the backend's own ``plan.op`` of float32 x (parameters as
+given) quantized by normlab's reference quantizer; the core calls it only for calls without
 statistics, gradients or casting order, on C-contiguous rows, and composes the others.
 
 A record may also name, in ``inspector``, an :class:`normlab.arrays.Inspector` subclass for the

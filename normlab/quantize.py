@@ -47,7 +47,8 @@ _FP8_MIN_NORMAL = 2.0**-6
 def native(call: Call, choice: Choice) -> bool:
     """Whether the chosen backend (as the call runs it) writes the quantized outputs of ``call``
     itself: it declares ``"quantize"`` and takes the call's other options as given, and the call
-    has no statistics, no graph, no casting order and C-contiguous rows in x's axes."""
+    has no statistics, no graph, no casting order and C-contiguous rows in x's axes (the
+    normalized ones last)."""
     plan, op = call.plan, call.op
     return (
         "quantize" in choice.backend.capabilities
@@ -75,23 +76,43 @@ def run(
     backend as the call runs it; ``base_run`` runs a call of an op from its arguments in table
     order (the public route)."""
     op, plan = call.op, call.plan
-    given = dict(zip(op.arguments, args, strict=True))
-    out = given["out"]
-    entries = out if isinstance(out, tuple) else (out,)
-    names = ("q", "scale", *(op.stats_outputs if plan.return_stats else ()))
-    outs = dict(zip(names, entries, strict=False))
+    outs: dict[str, Any] = {}
     if call.outputs:
+        given = dict(zip(op.arguments, args, strict=True))
+        out = given["out"]
+        entries = out if isinstance(out, tuple) else (out,)
+        names = ("q", "scale", *(op.stats_outputs if plan.return_stats else ()))
+        outs = dict(zip(names, entries, strict=False))
         outputs = {**outs, "h": given.get("residual_out")}
         output_aliasing(op, {name: given[name] for name in op.arrays}, outputs)
-    if native(call, choice):
-        q, scale, h = _native(call, given, choice)
+    quantized_plan = _native_plan(call, choice)
+    if quantized_plan is not None:
+        q, scale, h = _native(call, args, choice, quantized_plan)
         stats: tuple[Any, ...] = ()
     else:
+        given = dict(zip(op.arguments, args, strict=True))
         q, scale, h, stats = _composed(call, given, outs, base_run)
-    q = _into(outs.get("q"), q)
-    scale = _into(outs.get("scale"), scale)
+    if outs:
+        q = _into(outs.get("q"), q)
+        scale = _into(outs.get("scale"), scale)
     head = (q, scale, h) if plan.return_residual else (q, scale)
     return (*head, *stats)
+
+
+def _native_plan(call: Call, choice: Choice) -> Any:
+    """The plan the chosen backend's ``quantized`` function gets for ``call`` (with
+    ``quantize`` and ``quantize_scale`` set), or None when the core composes the call
+    (:func:`native`); cached on the call, per backend."""
+    key = ("quantized", choice.backend)
+    if key not in call.routes:
+        call.routes[key] = (
+            dataclasses.replace(
+                call.plan, quantize=call.quantize, quantize_scale=call.quantize_scale
+            )
+            if native(call, choice)
+            else None
+        )
+    return call.routes[key]
 
 
 def _composed(
@@ -139,45 +160,40 @@ def _composed(
     return q, scale, h, stats
 
 
-def _native(call: Call, given: dict[str, Any], choice: Choice) -> tuple[Any, Any, Any]:
+def _native(
+    call: Call, args: tuple[Any, ...], choice: Choice, quantized_plan: Any
+) -> tuple[Any, Any, Any]:
     """q, scale and h (None for an op without, or without ``return_residual``) from the
     backend's ``quantized`` function, on 2-D rows of the caller's arrays."""
     op, plan = call.op, call.plan
-    x = given["x"]
+    index = op.index
     rows = (plan.rows, plan.cols)
-    xp = array_api_compat.array_namespace(x)
-    device = array_api_compat.device(x)
-    q = xp.empty(rows, dtype=q_dtype_of(x, call.quantize or ""), device=device)
-    scale = xp.empty((plan.rows,), dtype=_library_dtype(x, "float32"), device=device)
-    residual = h = None
+    as_rows = plan.shape != rows
+    x = args[0]
+    residual = given_h = None
     if op.base is not None:
-        residual = arrays.reshape(given["residual"], rows)
-        if plan.return_residual:
-            given_h = given["residual_out"]
-            h = xp.empty(rows, dtype=residual.dtype, device=device) if given_h is None else None
-            if given_h is not None and call.strides["h"] == (plan.cols, 1):
-                h = arrays.reshape(given_h, rows)
-            elif given_h is not None:
-                h = xp.empty(rows, dtype=residual.dtype, device=device)
-    quantized_plan = dataclasses.replace(
-        plan, quantize=call.quantize, quantize_scale=call.quantize_scale
-    )
-    choice.backend.function("quantized")(
-        arrays.reshape(x, rows),
+        residual = args[index["residual"]]
+        given_h = args[index["residual_out"]]
+        if given_h is not None and call.strides["h"] != (plan.cols, 1):
+            given_h = None  # written into from a new h below
+        if as_rows:
+            residual = arrays.reshape(residual, rows)
+            given_h = None if given_h is None else arrays.reshape(given_h, rows)
+    bias = args[index["bias"]] if "bias" in index else None
+    q, scale, h = choice.backend.function("quantized")(
+        arrays.reshape(x, rows) if as_rows else x,
         residual,
-        given["weight"],
-        given.get("bias"),
+        args[index["weight"]],
+        bias,
         plan=quantized_plan,
-        q=q,
-        scale=scale,
-        residual_out=h,
+        residual_out=given_h,
     )
-    if h is not None:
-        h = arrays.reshape(h, plan.shape)
-        if given["residual_out"] is not None:
-            h = _into(given["residual_out"], h)
-    stats_shape = tuple(1 if a in plan.axes else n for a, n in enumerate(plan.shape))
-    return arrays.reshape(q, plan.shape), arrays.reshape(scale, stats_shape), h
+    if as_rows:
+        q = arrays.reshape(q, plan.shape)
+        h = None if h is None else arrays.reshape(h, plan.shape)
+    if h is not None and op.base is not None and args[index["residual_out"]] is not None:
+        h = _into(args[index["residual_out"]], h)
+    return q, arrays.reshape(scale, call.stats_shape), h
 
 
 def _into(given: Any, result: Any) -> Any:

@@ -7,10 +7,12 @@ or on the other rows.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Final
 
 import numpy as np
 
+from normlab.backends import output_pool
 from normlab.backends.numba_arrays import add_every_row, compute_parameter, segmented
 from normlab.backends.numba_kernel_types import BITS, kernel_types
 from normlab.backends.numba_pool import POOL, forward_work, load_serial_first
@@ -34,43 +36,51 @@ _BIT_TYPES: Final = {**BITS, "float8_e4m3fn": np.uint8}
 
 
 def quantized(
-    x: Any,
-    residual: Any,
-    weight: Any,
-    bias: Any,
-    *,
-    plan: Plan,
-    q: Any,
-    scale: Any,
-    residual_out: Any,
-) -> None:
-    """q and scale of ``plan.op`` on the rows of ``x`` (and ``residual``), h into
-    ``residual_out``; see :mod:`normlab.hookspecs`."""
+    x: Any, residual: Any, weight: Any, bias: Any, *, plan: Plan, residual_out: Any
+) -> tuple[Any, Any, Any]:
+    """q, scale and h of ``plan.op`` on the rows of ``x`` (and ``residual``), in x's family;
+    see :mod:`normlab.hookspecs`. New outputs of many MiB come from the output pool."""
     k = kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     centre = plan.op in ("layer_norm", "add_layer_norm")
     offset = plan.weight_offset
-    w = k.ones if weight is None else compute_parameter(_numpy(weight, True), k.compute, offset)
-    b = k.zeros if bias is None else compute_parameter(_numpy(bias, True), k.compute, 0.0)
+    w = k.ones if weight is None else compute_parameter(_parameter(weight), k.compute, offset)
+    b = k.zeros if bias is None else compute_parameter(_parameter(bias), k.compute, 0.0)
     mode = plan.quantize or "int8"
-    static = plan.quantize_scale or 0.0
-    kernel_q, kernel_scale = _numpy(q), _numpy(scale)
-    x_np = _numpy(x)
-    r_np = None if residual is None else _numpy(residual)
-    h_np = None if residual_out is None else _numpy(residual_out)
-    tail = (static, _LIMITS[mode], mode == "fp8_e4m3")
+    fp8 = mode == "fp8_e4m3"
+    shape = (plan.rows, plan.cols)
+    q = output_pool.POOL.empty(shape, _Q_BITS[fp8])
+    scale = np.empty(plan.rows, np.float32)
+    torch_family = plan.family == "torch"
+    x_np = _bits(x, torch_family)
+    r_np = h_np = h = None
+    if residual is not None:
+        r_np = _bits(residual, torch_family)
+        if residual_out is not None:
+            h, h_np = residual_out, _bits(residual_out, torch_family)
+        elif plan.return_residual:
+            h_np = output_pool.POOL.empty(shape, r_np.dtype)
+    tail = (plan.quantize_scale or 0.0, _LIMITS[mode], fp8)
     threads = POOL.acquire(forward_work(plan, k) if k.long or plan.rows > 1 else 0)
     try:
         if k.long:
             y = _long_y(x_np, r_np, h_np, w, b, plan, centre, threads)
-            quantized_rows(y, kernel_q, kernel_scale, *tail, threads)
+            quantized_rows(y, q, scale, *tail, threads)
         elif r_np is None:
-            rows = (x_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
+            rows = (x_np, q, scale, w, b, plan.eps, centre, *tail)
             _run(norm_quantize_rows, norm_quantize_rows_parallel, rows, plan.rows, threads)
         else:
-            added = (x_np, r_np, h_np, kernel_q, kernel_scale, w, b, plan.eps, centre, *tail)
+            added = (x_np, r_np, h_np, q, scale, w, b, plan.eps, centre, *tail)
             _run(add_norm_quantize_rows, add_norm_quantize_rows_parallel, added, plan.rows, threads)
     finally:
         POOL.release(threads)
+    if h is None and h_np is not None:
+        h = _as_family(h_np, residual, torch_family)
+    if torch_family:
+        import torch
+
+        q_tensor = torch.from_numpy(q)
+        return (q_tensor.view(torch.float8_e4m3fn) if fp8 else q_tensor), torch.from_numpy(scale), h
+    return (q.view(_numpy_float8()) if fp8 else q), scale, h
 
 
 def quantized_rows(
@@ -136,23 +146,57 @@ def _widened(bits: np.ndarray, dtype: str) -> np.ndarray:
     return bits.view(np.float16).astype(np.float32)
 
 
-def _numpy(a: Any, parameter: bool = False) -> Any:
-    """A NumPy array, or a CPU tensor, as the NumPy array the kernels read: 1- and 2-byte float
-    types as their bits (a parameter: converted by :func:`compute_parameter` instead)."""
-    if isinstance(a, np.ndarray):
-        bits = None if parameter else _BIT_TYPES.get(a.dtype.name)
-        return a if bits is None else a.view(bits)
+#: The NumPy dtype q is written in: int8, or float8 e4m3fn's bits.
+_Q_BITS: Final = {False: np.dtype(np.int8), True: np.dtype(np.uint8)}
+
+
+def _bits(a: Any, tensor: bool) -> np.ndarray:
+    """A NumPy array, or a CPU tensor (``tensor``), as the kernels read it: 1- and 2-byte float
+    types as their bits."""
+    if tensor:
+        same_width = _tensor_bits().get(a.dtype)
+        view: np.ndarray = (
+            a.numpy() if same_width is None else a.view(same_width[0]).numpy().view(same_width[1])
+        )
+        return view
+    bits = _BIT_TYPES.get(a.dtype.name)
+    array: np.ndarray = a if bits is None else a.view(bits)
+    return array
+
+
+def _parameter(p: Any) -> np.ndarray:
+    """A weight or bias as a NumPy array :func:`compute_parameter` converts (a tensor of a
+    dtype NumPy lacks: in float32 first, exact)."""
+    if isinstance(p, np.ndarray):
+        return p
+    p = p.detach()
+    converted: np.ndarray = (p.float() if p.dtype in _tensor_bits() else p).numpy()
+    return converted
+
+
+def _as_family(h: np.ndarray, like: Any, tensor: bool) -> Any:
+    """A new h (as the kernels wrote it) as an array of ``like``'s family and dtype."""
+    if not tensor:
+        return h.view(like.dtype)
     import torch
 
-    name = str(a.dtype).removeprefix("torch.")
-    if parameter:
-        return (
-            a.detach().float().numpy()
-            if name in ("bfloat16", "float8_e4m3fn")
-            else a.detach().numpy()
-        )
-    bits = _BIT_TYPES.get(name)
-    if bits is None:
-        return a.numpy()
-    same_width = torch.int16 if np.dtype(bits).itemsize == 2 else torch.uint8
-    return a.view(same_width).numpy().view(bits)
+    return torch.from_numpy(h).view(like.dtype)
+
+
+def _numpy_float8() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.float8_e4m3fn
+
+
+@functools.cache
+def _tensor_bits() -> dict[Any, tuple[Any, Any]]:
+    """torch's 1- and 2-byte float dtypes: (torch dtype of the same width, NumPy bits dtype)
+    (called for tensors only: torch is imported then)."""
+    import torch
+
+    return {
+        torch.bfloat16: (torch.int16, np.uint16),
+        torch.float16: (torch.int16, np.int16),
+        torch.float8_e4m3fn: (torch.uint8, np.uint8),
+    }

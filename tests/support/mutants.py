@@ -429,18 +429,19 @@ def quantized(
     bias: np.ndarray | None,
     *,
     plan: Plan,
-    q: np.ndarray,
-    scale: np.ndarray,
     residual_out: np.ndarray | None,
     flaw: str = "control",
-) -> None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Quantized outputs (normlab's ``quantized`` contract): the control kernels' float32 y of
     float32 x (or h), quantized in NumPy, with ``flaw``."""
     source = x
+    h = None
     if residual is not None:
         source = np.add(x, residual)  # rounded to x's dtype, as the family's add
         if residual_out is not None:
             residual_out[...] = source
+            source = residual_out
+        h = source if plan.return_residual else None
     wide = source if source.dtype == np.float64 else source.astype(np.float32)
     base = plan.op.removeprefix("add_")
     norm = layer_norm if base == "layer_norm" else rms_norm
@@ -469,12 +470,14 @@ def quantized(
                 else np.rint(v)
             )
             r = np.where(np.isnan(r), 0.0, r)
-            q[...] = (r.astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
+            q = (r.astype(np.int64) & 0xFF).astype(np.uint8).view(np.int8)
         else:
+            import ml_dtypes
+
             if flaw == "quant_round_half_away":
                 v = _e4m3_half_away(v)
-            q[...] = v.astype(q.dtype)
-    scale[...] = s[:, 0]
+            q = v.astype(ml_dtypes.float8_e4m3fn)
+    return q, np.ascontiguousarray(s[:, 0], np.float32), h
 
 
 def _e4m3_half_away(v: np.ndarray) -> np.ndarray:
