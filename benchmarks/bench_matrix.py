@@ -37,6 +37,12 @@ beside float32 x, ``casting="llama"``, a float32 residual stream) have rows of t
 same shape and dtypes and torch eager's composition of the same formula, on CPU tensors, one
 token and a prefill (1x4096, 1024x4096).
 
+The quantized outputs (``benchmarks/quantized.py``: ``rms_norm`` and ``add_rms_norm`` with
+``quantize="int8"``, ``rms_norm`` with ``"fp8_e4m3"``, dynamic scale) have rows of their own
+(:func:`test_quantized`, kind ``"quantized"``): normlab's fused call beside the unfused pair
+(normlab's plain call, then numba's quantizer over that y) and torch eager's composition, on CPU
+tensors, float32 and bfloat16, 1x4096, 32x4096 and (full matrix) 8192x4096.
+
 The textbook formula runs only where its temporaries (up to six times the input, in float32 or
 wider) fit in a quarter of the memory. Also here: the dispatch overhead on a tiny array, and
 peak memory per backend on a large input (both LayerNorm forward).
@@ -55,7 +61,7 @@ import numpy as np
 import pytest
 
 import normlab
-from benchmarks import memory, options, peers
+from benchmarks import memory, options, peers, quantized
 from benchmarks.workloads import (
     AUTO,
     EPS,
@@ -134,6 +140,10 @@ DISPATCH_SHAPE: Final = (8, 64)
 DISPATCH_SECONDS: Final = {"quick": 0.5, "full": 1.5}
 #: Seconds of timed rounds per contender of an option (benchmarks/options.py).
 OPTION_SECONDS: Final = {"quick": 0.3, "full": 1.0}
+#: Seconds of timed rounds per contender of a quantized case (benchmarks/quantized.py).
+QUANTIZED_SECONDS: Final = {"quick": 0.3, "full": 1.0}
+#: The largest quantized case of the quick matrix (elements of x).
+QUICK_QUANTIZED_ELEMENTS: Final = 32 * 4096
 DISPATCH_ROUND_S: Final = 1e-3
 MEMORY_SHAPE: Final = {"quick": (2048, 4096), "full": (8192, 4096)}
 MEMORY_DTYPES: Final = {"quick": ("float32",), "full": ("float32", "float16")}
@@ -425,6 +435,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("dispatch_case", skipped + paths)
     elif "option_case" in metafunc.fixturenames:
         metafunc.parametrize("option_case", _option_params())
+    elif "quantized_case" in metafunc.fixturenames:
+        metafunc.parametrize("quantized_case", _quantized_params(matrix))
     elif "memory_case" in metafunc.fixturenames:
         usable, skipped = usable_backends()
         backends, more = serving(usable, "layer_norm")
@@ -455,6 +467,30 @@ def _option_params() -> list[Any]:
         for rows, cols in options.SHAPES
         for option in options.OPTIONS
         for contender in options.CONTENDERS
+    ]
+
+
+def _quantized_params(matrix: str) -> list[Any]:
+    """The quantized rows: (case, contender, rows, cols, dtype), skipped without torch or
+    numba (the fused call and the unfused pair's quantizer are numba's); the quick matrix
+    without the prefill (its torch eager call takes half a second)."""
+    why = None
+    if not _installed("torch"):
+        why = "torch is not installed"
+    elif (numba := refusal(registry.get("numba"))) is not None:
+        why = f"need the numba backend: backend 'numba' {numba}"
+    marks = [] if why is None else [pytest.mark.skip(reason=why)]
+    return [
+        pytest.param(
+            (case, contender, rows, cols, dtype),
+            id=f"{case}-{contender}-{rows}x{cols}-{dtype}",
+            marks=marks,
+        )
+        for rows, cols in quantized.SHAPES
+        if matrix == "full" or rows * cols <= QUICK_QUANTIZED_ELEMENTS
+        for dtype in quantized.DTYPES
+        for case in quantized.CASES
+        for contender in quantized.CONTENDERS
     ]
 
 
@@ -596,6 +632,26 @@ def test_option(
     )
     benchmark.extra_info.update(
         kind="option", subject=contender, mode=option, shape=[rows, cols], dtype="bfloat16"
+    )
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations)
+    best = benchmark.stats.stats.min
+    request.node.user_properties.append(("normlab", f"{best * 1e6:7.2f} µs per call"))
+
+
+def test_quantized(
+    benchmark: Any,
+    quantized_case: tuple[str, str, int, int, str],
+    matrix: MatrixState,
+    request: pytest.FixtureRequest,
+) -> None:
+    """One contender of a quantized case (``benchmarks/quantized.py``)."""
+    case, contender, rows, cols, dtype = quantized_case
+    call = quantized.cases(rows, cols, dtype)[case][contender]
+    rounds, iterations = _pace(
+        _probe(call), QUANTIZED_SECONDS[matrix.matrix], DISPATCH_ROUND_S, matrix
+    )
+    benchmark.extra_info.update(
+        kind="quantized", subject=contender, mode=case, shape=[rows, cols], dtype=dtype
     )
     benchmark.pedantic(call, rounds=rounds, iterations=iterations)
     best = benchmark.stats.stats.min

@@ -36,6 +36,7 @@ __all__ = [
     "Dispatch",
     "OptionRow",
     "PeerGap",
+    "QuantizedRow",
     "Row",
     "Summary",
     "compare",
@@ -43,6 +44,7 @@ __all__ = [
     "geomean",
     "options",
     "peer_gaps",
+    "quantized",
     "rows",
     "size_class",
     "summary",
@@ -251,6 +253,35 @@ def options(run: dict[str, Any]) -> list[OptionRow]:
         OptionRow(option, shape, t["option"], t["base"], t["torch eager"])
         for (option, shape), t in times.items()
         if {"option", "base", "torch eager"} <= t.keys()
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedRow:
+    """Per-call times (s) of a norm with quantized outputs on one shape and dtype: normlab's
+    fused call, the unfused pair (normlab's plain call, then numba's quantizer over its y) and
+    torch eager's composition."""
+
+    case: str
+    shape: tuple[int, ...]
+    dtype: str
+    fused_s: float
+    pair_s: float
+    eager_s: float
+
+
+def quantized(run: dict[str, Any]) -> list[QuantizedRow]:
+    """The quantized rows of ``run`` (benchmarks/quantized.py), in the order measured."""
+    times: dict[tuple[str, tuple[int, ...], str], dict[str, float]] = defaultdict(dict)
+    for bench in run["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("kind") == "quantized":
+            key = (info["mode"], tuple(info["shape"]), info["dtype"])
+            times[key][info["subject"]] = bench["stats"]["min"]
+    return [
+        QuantizedRow(case, shape, dtype, t["fused"], t["unfused pair"], t["torch eager"])
+        for (case, shape, dtype), t in times.items()
+        if {"fused", "unfused pair", "torch eager"} <= t.keys()
     ]
 
 

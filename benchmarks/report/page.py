@@ -26,6 +26,7 @@ from benchmarks.report.tables import (
     option_table,
     peer_gap_table,
     peer_summary_table,
+    quantized_table,
     skipped_table,
     to_markdown,
 )
@@ -148,14 +149,15 @@ def _default_vs_peers(
 
 
 def _extras(runs: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
-    """Dispatch overhead and peak memory (LayerNorm forward) and the options of real models'
-    norms, each from the first run with it."""
+    """Dispatch overhead and peak memory (LayerNorm forward), the options of real models' norms
+    and the norms with quantized outputs, each from the first run with it."""
     lines = []
-    for make in (dispatch_table, memory_table, option_table):
+    for make in (dispatch_table, memory_table, option_table, quantized_table):
         found = next(((source, t) for source, run in runs if (t := make(run)).body), None)
         if found is not None:
             source, table = found
-            intro = "From" if make is option_table else "LayerNorm forward, from"
+            plain = make in (option_table, quantized_table)
+            intro = "From" if plain else "LayerNorm forward, from"
             lines += [f"## {table.title}", "", f"{intro} `{source}`.", ""]
             lines.append(to_markdown(table, 0))
     return lines

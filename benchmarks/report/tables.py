@@ -25,6 +25,7 @@ from benchmarks.report.metrics import (
     geomean,
     options,
     peer_gaps,
+    quantized,
     rows,
     size_class,
     summary,
@@ -45,6 +46,7 @@ __all__ = [
     "option_table",
     "peer_gap_table",
     "peer_summary_table",
+    "quantized_table",
     "report_tables",
     "skipped_table",
     "summary_table",
@@ -481,6 +483,42 @@ def option_table(run: dict[str, Any]) -> Table:
     )
 
 
+def quantized_table(run: dict[str, Any]) -> Table:
+    body = [
+        (
+            r.case,
+            "x".join(map(str, r.shape)),
+            r.dtype,
+            f"{r.fused_s * 1e6:.1f}",
+            f"{r.pair_s * 1e6:.1f}",
+            f"{r.eager_s * 1e6:.1f}",
+            f"{r.pair_s / r.fused_s:.2f}",
+            f"{r.eager_s / r.fused_s:.2f}",
+        )
+        for r in quantized(run)
+    ]
+    return Table(
+        "Norm + quantize, fused against the unfused pair and torch eager, CPU tensors "
+        "(µs per call)",
+        (
+            "case",
+            "shape",
+            "dtype",
+            "fused",
+            "unfused pair",
+            "torch eager",
+            "pair ×",
+            "eager ×",
+        ),
+        body,
+        "normlab's call with `quantize=` (dynamic per-row scale: q and scale in one pass, y never "
+        "in memory), the unfused pair (normlab's plain call, y in x's dtype, then numba's "
+        "quantizer over that y) and torch eager's composition of the same formula "
+        "(benchmarks/quantized.py), best rounds; pair × and eager ×: how many times slower "
+        "than the fused call each is.",
+    )
+
+
 def report_tables(run: dict[str, Any]) -> list[Table]:
     """Every table of the report, in order."""
     all_rows = rows(run)
@@ -489,7 +527,8 @@ def report_tables(run: dict[str, Any]) -> list[Table]:
     tables = [key_table(all_rows, op) for op in measured]
     gaps = peer_gaps(all_rows)
     tables += [auto_table(all_rows), peer_summary_table(gaps), peer_gap_table(gaps)]
-    tables += [dispatch_table(run), option_table(run), memory_table(run)]
+    tables += [dispatch_table(run), option_table(run), quantized_table(run)]
+    tables.append(memory_table(run))
     tables += [detail_table(all_rows, op, d) for op in measured for d in dtypes]
     tables.append(skipped_table(run))
     return [t for t in tables if t.body]

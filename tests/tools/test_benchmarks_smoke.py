@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from benchmarks import options as bench_options
+from benchmarks import quantized as bench_quantized
 from benchmarks.report import metrics, runs, tables, terminal
 from benchmarks.report.page import FULL_BUDGET_MINUTES, docs_page, fill
 from tests.support.paths import DATA, ROOT
@@ -51,7 +52,7 @@ def _bench(
         "shape": shape,
         "dtype": "float32",
     }
-    if kind not in ("dispatch", "option"):
+    if kind not in ("dispatch", "option", "quantized"):
         info["bytes"] = NBYTES_BACKWARD if op and op.endswith("_backward") else NBYTES
     stats = {"min": seconds, "median": seconds, "iqr": 0.0, "rounds": 5}
     return {"name": f"test[{subject}-{mode}]", "extra_info": info, "stats": stats}
@@ -79,6 +80,9 @@ def _run(
         _bench("option", None, "option", "weight_offset=1 (bf16)", 9e-6, [1, 4096]),
         _bench("option", None, "base", "weight_offset=1 (bf16)", 8e-6, [1, 4096]),
         _bench("option", None, "torch eager", "weight_offset=1 (bf16)", 18e-6, [1, 4096]),
+        _bench("quantized", None, "fused", "rms_norm int8", 10e-6, [32, 4096]),
+        _bench("quantized", None, "unfused pair", "rms_norm int8", 15e-6, [32, 4096]),
+        _bench("quantized", None, "torch eager", "rms_norm int8", 60e-6, [32, 4096]),
     ]
     return {
         "machine_info": {
@@ -163,7 +167,15 @@ def test_summary_dispatch_and_tables() -> None:
     assert table.body == [
         ("weight_offset=1 (bf16)", "1x4096", "9.0", "8.0", "18.0", "1.12", "2.00")
     ]
+    (row,) = metrics.quantized(run)
+    assert (row.case, row.shape, row.dtype) == ("rms_norm int8", (32, 4096), "float32")
+    assert row.pair_s / row.fused_s == pytest.approx(1.5)
+    quantized_table = tables.quantized_table(run)
+    assert quantized_table.body == [
+        ("rms_norm int8", "32x4096", "float32", "10.0", "15.0", "60.0", "1.50", "6.00")
+    ]
     titles = [t.title for t in tables.report_tables(run)]
+    assert quantized_table.title in titles
     assert titles[:3] == [
         "LayerNorm forward: key ratios (geometric means)",
         "RMSNorm forward: key ratios (geometric means)",
@@ -396,6 +408,39 @@ def test_a_tiny_matrix_run_has_the_option_rows(tmp_path: Path) -> None:
     found = {(r.option, r.shape) for r in metrics.options(run)}
     assert found == {(option, (1, 4096)) for option in bench_options.OPTIONS}
     assert len(tables.option_table(run).body) == len(bench_options.OPTIONS)
+
+
+def test_quantized_rows_need_every_contender() -> None:
+    """A quantized case whose contenders were not all timed (a skip, a budget cut) has no row;
+    each shape and dtype of a case is a row of its own."""
+    run = _run(ops=())
+    run["benchmarks"] = [
+        _bench("quantized", None, subject, "add_rms_norm int8", seconds, shape)
+        for shape in ([1, 4096], [8192, 4096])
+        for subject, seconds in (("fused", 4e-6), ("unfused pair", 9e-6), ("torch eager", 2e-5))
+    ]
+    run["benchmarks"][-1]["extra_info"]["dtype"] = "bfloat16"  # the prefill's eager: bf16
+    found = [(r.shape, r.dtype) for r in metrics.quantized(run)]
+    assert found == [((1, 4096), "float32")]
+    assert [row[-2:] for row in tables.quantized_table(run).body] == [("2.25", "5.00")]
+
+
+def test_a_tiny_matrix_run_has_the_quantized_rows(tmp_path: Path) -> None:
+    """The real matrix's quantized rows on one token: every contender of every case, in each
+    dtype, is timed and the report's quantized table has a row per case and dtype."""
+    pytest.importorskip("pytest_benchmark")
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    run = _tiny_matrix_run(tmp_path / "quantized.json", "quick", 0.25, "test_quantized and 1x4096")
+    found = {(r.case, r.shape, r.dtype) for r in metrics.quantized(run)}
+    assert found == {
+        (case, (1, 4096), dtype)
+        for case in bench_quantized.CASES
+        for dtype in bench_quantized.DTYPES
+    }
+    table = tables.quantized_table(run)
+    assert len(table.body) == len(bench_quantized.CASES) * len(bench_quantized.DTYPES)
+    assert all(float(row[3]) > 0 for row in table.body)
 
 
 #: The fused ops' contenders in the matrix: (kind, subject, mode).
