@@ -306,8 +306,9 @@ def add_layer_norm(
             into; may be ``residual`` or ``x`` itself (``out=x, residual_out=residual`` is the
             in-place serving form), never the memory of ``out``. Only with
             ``return_residual=True``.
-        quantize, quantize_scale: as for :func:`layer_norm`: ``(q, scale)`` replaces ``y`` in
-            the result (``(q, scale, h)``, ...); y is the norm of ``h`` in float32.
+        quantize: as for :func:`layer_norm`: ``(q, scale)`` replaces ``y`` in the result
+            (``(q, scale, h)``, ...); y is the norm of ``h`` in float32.
+        quantize_scale: as for :func:`layer_norm`.
 
     Returns:
         ``(y, h)``; ``(y, h, mean, rstd)`` with ``return_stats``; with
