@@ -213,15 +213,18 @@ def reference(y: Any, mode: str, static: float | None, axes: tuple[int, ...]) ->
     shape = tuple(1 if a in axes else n for a, n in enumerate(y.shape))
     device = array_api_compat.device(y)
     if static is None:
-        limit = xp.asarray(LIMITS[mode], dtype=float32, device=device)
         if any(y.shape[a] == 0 for a in axes):  # rows without elements: nothing to scale
             scale = xp.zeros(shape, dtype=float32, device=device)
         else:
-            scale = xp.max(xp.abs(y), axis=axes, keepdims=True) / limit
+            amax = xp.max(xp.abs(y), axis=axes, keepdims=True)
+            scale = amax / xp.full(shape, LIMITS[mode], dtype=float32, device=device)
     else:
         scale = xp.full(shape, static, dtype=float32, device=device)
     zero = scale == 0
-    v = y / xp.where(zero, xp.ones_like(scale), scale)  # 0 where the scale is (below)
+    # divisors of the dividend's own shape: XLA divides by a broadcast divisor through its
+    # reciprocal (not IEEE division); a divisor of the same shape it divides exactly
+    divisor = xp.broadcast_to(xp.where(zero, xp.ones_like(scale), scale), y.shape)
+    v = y / divisor  # 0 where the scale is 0 (below)
     zeros = xp.zeros_like(v)
     if mode == "int8":
         r = xp.clip(xp.round(v), -127.0, 127.0)

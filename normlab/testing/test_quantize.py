@@ -261,6 +261,7 @@ def test_quantized_into_out(normlab_subject: Subject, op: str) -> None:
     """``out=(q, scale)`` receives the results and is returned; a bare ``out=q`` too."""
     s = normlab_subject
     _require(s, op, "float32")
+    s.require_writable()
     given = _inputs("float32", seed=23)
     want = _call(s, op, given, quantize="int8")
     q_out = s.from_numpy(np.zeros((ROWS, COLS), np.int8))
