@@ -22,9 +22,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import numbers
+import struct
 from typing import Any, Final
-
-import numpy as np
 
 from normlab.errors import ArgumentError, ArgumentTypeError, DtypeError
 
@@ -89,8 +88,16 @@ def static_scale(value: Any, quantize: str | None) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"quantize_scale must be a real number > 0, got {value!r}")
     scale = float(value)
-    with np.errstate(over="ignore"):
-        as_float32 = float(np.float32(scale))
+    as_float32 = _as_float32(scale)
     if not math.isfinite(scale) or not math.isfinite(as_float32) or as_float32 <= 0.0:
         raise ArgumentError(f"quantize_scale must be finite and > 0 as a float32, got {value!r}")
     return as_float32
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest even); inf beyond float32's range."""
+    try:
+        rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    return rounded
