@@ -39,8 +39,7 @@ from normlab.spec.quantize import LIMITS, q_dtype
 
 __all__ = ["e4m3_bits", "native", "q_dtype_of", "reference", "run"]
 
-#: The largest magnitude of float8 e4m3fn, and its smallest normal number.
-_FP8_MAX = 448.0
+#: The smallest normal number of float8 e4m3fn (its largest: ``LIMITS["fp8_e4m3"]``).
 _FP8_MIN_NORMAL = 2.0**-6
 
 
@@ -148,7 +147,11 @@ def _composed(
         "normalized_shape": None,
         "axis": plan.axes,
         "eps": plan.eps,
-        "out": (None, *stats_out) if plan.return_stats and any(stats_out) else None,
+        "out": (
+            (None, *stats_out)
+            if plan.return_stats and any(o is not None for o in stats_out)
+            else None
+        ),
         "quantize": None,
         "quantize_scale": None,
     }
@@ -230,7 +233,8 @@ def reference(y: Any, mode: str, static: float | None, axes: tuple[int, ...]) ->
         r = xp.clip(xp.round(v), -127.0, 127.0)
         r = xp.where(zero | xp.isnan(r), zeros, r)
         return xp.astype(r, q_dtype_of(y, mode)), scale
-    r = xp.where(zero, zeros, xp.clip(v, -_FP8_MAX, _FP8_MAX))
+    limit = LIMITS[mode]
+    r = xp.where(zero, zeros, xp.clip(v, -limit, limit))
     if q_dtype(mode, arrays.info(y).family) == "uint8":  # a library without float8
         return e4m3_bits(r), scale
     return xp.astype(r, q_dtype_of(y, mode)), scale

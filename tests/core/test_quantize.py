@@ -222,6 +222,35 @@ def test_inputs_that_require_grad_and_compiled_graphs() -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_statistics_into_out(op: str) -> None:
+    """``return_stats`` with ``out=(q, scale, mean, rstd)``: every array receives its result
+    (the statistics those of the float32 call) and is returned."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 32)).astype(np.float32)
+    args = (x, x[::-1].copy()) if op == "add_layer_norm" else (x,)
+    outs = (np.zeros((5, 32), np.int8), *(np.zeros((5, 1), np.float32) for _ in range(3)))
+    function = getattr(normlab, op)
+    got = function(*args, quantize="int8", return_stats=True, out=outs)
+    want = function(*args, quantize="int8", return_stats=True)
+    kept = [r for r in got if r is not None and not any(r is o for o in outs)]
+    assert all(g is o for g, o in zip((got[0], got[1], *got[-2:]), outs, strict=True))
+    assert len(kept) == (1 if op == "add_layer_norm" else 0)  # h, allocated
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g, w)
+
+
+def test_float8_needs_a_float8_dtype() -> None:
+    """A family without a float8 dtype gets a DtypeError naming it for "fp8_e4m3"; int8 is
+    served."""
+    xp = pytest.importorskip("array_api_strict")
+    x = xp.ones((2, 8), dtype=xp.float32)
+    with pytest.raises(normlab.DtypeError, match="needs a float8 e4m3fn dtype"):
+        normlab.rms_norm(x, quantize="fp8_e4m3")
+    q, scale = normlab.rms_norm(x, quantize="int8")
+    assert q.dtype == xp.int8 and scale.shape == (2, 1)
+
+
 def test_native_path_is_explained() -> None:
     pytest.importorskip("numba")
     x = np.ones((2, 8), np.float32)
