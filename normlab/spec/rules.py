@@ -126,10 +126,12 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
         name: layout.row_view_strides(infos[name].shape, infos[name].strides, batch_axes, axes)
         for name in op.like_x
     }
-    if quantize is None:
-        outputs = _check_out(op, out, xi, return_stats, stats_shape, compute, y_dtype)
-    else:
-        outputs = _check_quantized_out(op, out, xi, return_stats, stats_shape, compute, quantize)
+    heads = (
+        (("y", y_dtype),)
+        if quantize is None
+        else (("q", q_dtype(quantize, xi.family)), ("scale", "float32"))
+    )
+    outputs = _check_out(op, out, xi, return_stats, stats_shape, compute, heads)
     if residual_out is not None:
         outputs["h"] = _check_out_array("residual_out", residual_out, xi, xi.shape, h_dtype)
     for name in ("y", "h"):
@@ -534,16 +536,25 @@ def _check_out(
     return_stats: bool,
     stats_shape: tuple[int, ...],
     stats_dtype: str,
-    y_dtype: str,
+    heads: tuple[tuple[str, str], ...],
 ) -> dict[str, ArrayInfo]:
-    """The outputs given in ``out`` (``y`` of ``y_dtype``, or with ``return_stats`` a tuple of
-    ``y`` and the statistics, None entries allocated), by name, each checked."""
+    """The outputs given in ``out``, by name, each checked: ``heads`` are the ``(name, dtype)``
+    of what comes before the statistics — ``y`` alone, of x's shape, or for quantized outputs
+    ``q`` (x's shape) and ``scale`` (the statistics' shape) — and ``out`` is the first of them
+    alone or a tuple of them all (and the statistics with ``return_stats``), None entries
+    allocated."""
     if out is None:
         return {}
-    names = ("y", *op.stats_outputs)
-    if isinstance(out, tuple) and (not return_stats or len(out) != len(names)):
+    names = (*(name for name, _ in heads), *(op.stats_outputs if return_stats else ()))
+    if isinstance(out, tuple) and (len(names) == 1 or len(out) != len(names)):
+        if len(heads) == 1:
+            raise ArgumentError(
+                f"out may be a tuple only with return_stats=True, as "
+                f"({', '.join(('y', *op.stats_outputs))}) with None for entries to allocate; "
+                f"got a tuple of {len(out)}"
+            )
         raise ArgumentError(
-            f"out may be a tuple only with return_stats=True, as ({', '.join(names)}) with "
+            f"out of a call with quantize= is {names[0]} or a tuple ({', '.join(names)}) with "
             f"None for entries to allocate; got a tuple of {len(out)}"
         )
     if xi.requires_grad:
@@ -551,54 +562,15 @@ def _check_out(
             "out= cannot be used when x requires grad (the result would be detached)"
         )
     entries = out if isinstance(out, tuple) else (out,)
+    dtypes = {**dict(heads), **dict.fromkeys(op.stats_outputs, stats_dtype)}
     outputs: dict[str, ArrayInfo] = {}
-    for name, o in zip(names, entries, strict=False):  # a bare out: y alone
+    for name, o in zip(names, entries, strict=False):  # a bare out: the first alone
         if o is None:
             continue
-        if name == "y":
-            outputs[name] = _check_out_array("out", o, xi, xi.shape, y_dtype)
-        else:
-            outputs[name] = _check_out_array(f"out ({name})", o, xi, stats_shape, stats_dtype)
-    return outputs
-
-
-def _check_quantized_out(
-    op: Op,
-    out: Any,
-    xi: ArrayInfo,
-    return_stats: bool,
-    stats_shape: tuple[int, ...],
-    stats_dtype: str,
-    quantize: str,
-) -> dict[str, ArrayInfo]:
-    """The outputs given in ``out`` for a quantized call: ``q`` alone, or a tuple ``(q,
-    scale)`` (with ``return_stats``, then the statistics), None entries allocated; q of x's
-    shape in the mode's dtype, scale keepdims-shaped float32, each checked."""
-    if out is None:
-        return {}
-    names = ("q", "scale", *(op.stats_outputs if return_stats else ()))
-    if isinstance(out, tuple) and len(out) != len(names):
-        raise ArgumentError(
-            f"out of a call with quantize={quantize!r} is q or a tuple ({', '.join(names)}) "
-            f"with None for entries to allocate; got a tuple of {len(out)}"
-        )
-    if xi.requires_grad:
-        raise ArgumentError(
-            "out= cannot be used when x requires grad (the result would be detached)"
-        )
-    entries = out if isinstance(out, tuple) else (out,)
-    dtypes = {
-        "q": q_dtype(quantize, xi.family),
-        "scale": "float32",
-        "mean": stats_dtype,
-        "rstd": stats_dtype,
-    }
-    outputs: dict[str, ArrayInfo] = {}
-    for name, o in zip(names, entries, strict=False):  # a bare out: q alone
-        if o is not None:
-            shape = xi.shape if name == "q" else stats_shape
-            what = "out" if name == "q" and not isinstance(out, tuple) else f"out ({name})"
-            outputs[name] = _check_out_array(what, o, xi, shape, dtypes[name])
+        first = name == names[0]
+        what = "out" if first and (name == "y" or not isinstance(out, tuple)) else f"out ({name})"
+        shape = xi.shape if first else stats_shape
+        outputs[name] = _check_out_array(what, o, xi, shape, dtypes[name])
     return outputs
 
 

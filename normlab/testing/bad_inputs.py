@@ -331,6 +331,19 @@ _BAD: Final = (
         FORWARD_AND_FUSED,
     ),
     BadInput(
+        "quantize-scale-beyond-float32",
+        ArgumentError,
+        "quantize_scale must be finite and > 0 as a float32, got 1e\\+39",
+        lambda i: {"quantize": "int8", "quantize_scale": 1e39},
+    ),
+    BadInput(
+        "quantize-out-tuple-length",
+        ArgumentError,
+        r"out of a call with quantize= is q or a tuple \(q, scale\)",
+        lambda i: {"quantize": "int8", "out": (None, None, None)},
+        FORWARD_AND_FUSED,
+    ),
+    BadInput(
         "quantize-scale-zero",
         ArgumentError,
         "quantize_scale must be finite and > 0",
