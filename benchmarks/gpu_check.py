@@ -3,7 +3,9 @@
 tensors, which checks correctness):
 
     python benchmarks/gpu_check.py large --out DIR    65537 rows, 2^31+ elements, long rows
-    python benchmarks/gpu_check.py bench --out DIR    GB/s against torch and a copy
+    python benchmarks/gpu_check.py bench --out DIR    GB/s against torch and a copy; the
+                                                      quantized outputs against the unfused
+                                                      pair and torch eager
     python benchmarks/gpu_check.py --out DIR          both
 
 Both stages cover both ops, layer_norm and rms_norm (against ``torch.nn.functional.layer_norm``
@@ -458,6 +460,80 @@ def backward_table(timings: list[BackwardTiming]) -> str:
     return "\n".join(lines)
 
 
+#: The quantized outputs' benchmark: rows x hidden of serving (one token, a small batch, a
+#: prefill), bfloat16, each mode with a dynamic per-row scale.
+QUANTIZED_SHAPES: Final = ((1, 4096), (32, 4096), (8192, 4096))
+QUANTIZED_MODES: Final = ("int8", "fp8_e4m3")
+
+
+def _torch_quantize(y: Any, mode: str) -> tuple[Any, Any]:
+    """The dynamic per-row quantization of y in torch's eager ops (float32)."""
+    import torch
+
+    y = y.float()
+    limit = 127.0 if mode == "int8" else 448.0
+    scale = y.abs().amax(dim=-1, keepdim=True) / limit
+    v = y / torch.where(scale == 0, torch.ones_like(scale), scale)
+    if mode == "int8":
+        return v.round().clamp(-127, 127).to(torch.int8), scale
+    return v.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def bench_quantized(dev: Device) -> list[Timing]:
+    """``normlab.add_rms_norm(..., quantize=mode)`` (one kernel: h and q written, y never)
+    against the unfused pair on the same device (normlab's add_rms_norm, then torch's
+    quantization of its y) and torch eager's whole composition, bfloat16."""
+    import torch
+
+    timings = []
+    backend = dev.backend
+    for mode in QUANTIZED_MODES:
+        for rows, hidden in QUANTIZED_SHAPES if not dev.dry else ((1, 256), (64, 256)):
+            x, r = (
+                torch.randn((rows, hidden), device=dev.torch_device()).to(torch.bfloat16)
+                for _ in range(2)
+            )
+            w = torch.randn(hidden, device=x.device).to(torch.bfloat16)
+
+            def torch_eager(x: Any = x, r: Any = r, w: Any = w, m: str = mode) -> Any:
+                h = x + r
+                y = torch.nn.functional.rms_norm(h.float(), (h.shape[-1],), w.float(), EPS)
+                return _torch_quantize(y, m), h
+
+            calls = {
+                "normlab": lambda x=x, r=r, w=w, m=mode: normlab.add_rms_norm(
+                    x, r, weight=w, eps=EPS, quantize=m, backend=backend
+                ),
+                "pair": lambda x=x, r=r, w=w, m=mode: _torch_quantize(
+                    normlab.add_rms_norm(x, r, weight=w, eps=EPS, backend=backend)[0], m
+                ),
+                "torch": torch_eager,
+            }
+            repeats = 3 if dev.dry else 20
+            seconds = {k: dev.median_seconds(c, repeats) for k, c in calls.items()}
+            timings.append(Timing(f"add_rms_norm {mode}", "bfloat16", rows, hidden, seconds))
+    return timings
+
+
+def quantized_table(timings: list[Timing]) -> str:
+    """Microseconds of the fused quantizing call, the unfused pair and torch eager, and ratios."""
+    lines = [
+        "### add_rms_norm with quantized outputs (bfloat16, dynamic per-row scale)",
+        "",
+        "| mode | rows × hidden | normlab fused µs | pair µs | torch eager µs | pair / fused "
+        "| torch / fused |",
+        "|---|---|--:|--:|--:|--:|--:|",
+    ]
+    for t in timings:
+        fused, pair, eager = (t.seconds[k] * 1e6 for k in ("normlab", "pair", "torch"))
+        lines.append(
+            f"| {t.op.split()[1]} | {t.rows} × {t.hidden} | {fused:.1f} | {pair:.1f} "
+            f"| {eager:.1f} | {pair / fused:.2f} | {eager / fused:.2f} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -492,7 +568,11 @@ BENCH_METHOD: Final = (
     "plus weight read and its gradients written, over the median time of "
     "`normlab.layer_norm_backward(dy, x, mean, rstd, w, backend='cupy')` (and "
     "`rms_norm_backward`) on CUDA tensors, and of `torch.autograd.grad` of torch's op "
-    "(graph kept); normlab's kernels read x and dy twice (dx, then the weight sums)."
+    "(graph kept); normlab's kernels read x and dy twice (dx, then the weight sums). "
+    "Quantized outputs: median µs (CUDA events, L2 flushed) of "
+    "`normlab.add_rms_norm(x, r, weight=w, quantize=mode, backend='cupy')`, of the pair "
+    "(the same call without quantize, then torch's per-row quantization of y) and of "
+    "torch eager's composition; one kernel moves x, r in and h, q out, the pair y twice more."
 )
 
 
@@ -503,7 +583,11 @@ def run_stage(stage: str, dev: Device, out: Path) -> bool:
     start = time.perf_counter()
     if stage == "bench":
         timings, report = bench(dev)
-        tables = [bench_table(timings), backward_table(bench_backward(dev))]
+        tables = [
+            bench_table(timings),
+            backward_table(bench_backward(dev)),
+            quantized_table(bench_quantized(dev)),
+        ]
         text = report.markdown("Benchmark", [*notes, "", BENCH_METHOD, "", *tables])
         failed = False  # a benchmark is not a test
     else:

@@ -1,5 +1,5 @@
 """Compilation of the CUDA kernels in ``kernels/`` (``layer_norm.cu``, ``add_norm.cu``,
-``backward.cu``) with NVRTC, without a GPU.
+``quantize.cu``, ``backward.cu``) with NVRTC, without a GPU.
 
 NVRTC is loaded with ctypes from NVIDIA's ``nvidia-cuda-nvrtc`` wheel (or, failing that, from
 ``cuda-pathfinder`` or a CUDA toolkit on the library path). :func:`compile_kernels` is the one

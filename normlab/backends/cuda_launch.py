@@ -1,9 +1,13 @@
 """The launch planner of the CUDA kernels in ``kernels/`` (forward: ``layer_norm.cu``, fused
-residual add + norm: ``add_norm.cu``, backward: ``backward.cu``), in plain Python.
+residual add + norm: ``add_norm.cu``, quantized outputs: ``quantize.cu``, backward:
+``backward.cu``), in plain Python.
 
 Both ops run the same kernel templates: ``CENTRE = true`` is LayerNorm, ``false`` RMSNorm; so do
 their backward ops and the fused ops (``add_normalize_rows``/``add_normalize_loop``, planned on the
-forward's rungs: the same shapes, x and the residual read into the same registers).
+forward's rungs: the same shapes, x and the residual read into the same registers), and so do
+the quantizing kernels (``norm_quantize_rows``/``norm_quantize_loop``, one pair for the plain and
+the fused op), which lay a row out as the float32 (float64) kernels do whatever x's dtype:
+:func:`layout_dtype`.
 A row of ``cols`` elements is cut into chunks of :func:`vector_width` elements (16 bytes). The
 row-resident kernel ``normalize_rows`` gives each row ``threads`` threads holding ``items``
 chunks each in registers; :func:`_ladder` lists the (threads, items) rungs, smallest capacity
@@ -43,12 +47,16 @@ __all__ = [
     "FUSED_OPS",
     "MAX_GRID",
     "OPS",
+    "QUANTIZE_OPS",
+    "QUANTIZING",
     "SOURCES",
     "STAGES",
     "BackwardLaunch",
     "LaunchPlan",
     "Specialisation",
     "all_specialisations",
+    "chunk_width",
+    "layout_dtype",
     "param_dtypes",
     "plan_backward",
     "plan_launch",
@@ -64,22 +72,36 @@ OPS: Final = {
     "rms_norm_backward": "false",
     "add_layer_norm": "true",
     "add_rms_norm": "false",
+    "layer_norm_quantize": "true",
+    "rms_norm_quantize": "false",
 }
 FORWARD_OPS: Final = ("layer_norm", "rms_norm")
 BACKWARD_OPS: Final = ("layer_norm_backward", "rms_norm_backward")
 #: The fused residual add + norm ops (``h = x + residual``, then the forward on h).
 FUSED_OPS: Final = ("add_layer_norm", "add_rms_norm")
+#: The quantizing kernels (y never written; q and its row scales instead), for the forward ops
+#: and, given a residual, the fused ones.
+QUANTIZE_OPS: Final = ("layer_norm_quantize", "rms_norm_quantize")
+#: The quantizing op of each forward and fused op.
+QUANTIZING: Final = {
+    "layer_norm": "layer_norm_quantize",
+    "add_layer_norm": "layer_norm_quantize",
+    "rms_norm": "rms_norm_quantize",
+    "add_rms_norm": "rms_norm_quantize",
+}
 #: The source file of each op's kernels (in ``kernels/``).
 SOURCES: Final = (
     {op: "layer_norm.cu" for op in FORWARD_OPS}
     | {op: "backward.cu" for op in BACKWARD_OPS}
     | {op: "add_norm.cu" for op in FUSED_OPS}
+    | {op: "quantize.cu" for op in QUANTIZE_OPS}
 )
 #: The name of each op's rows kernels (``<kernel>_rows``, ``<kernel>_loop``).
 _KERNEL: Final = (
     {op: "normalize" for op in FORWARD_OPS}
     | {op: "backward" for op in BACKWARD_OPS}
     | {op: "add_normalize" for op in FUSED_OPS}
+    | {op: "norm_quantize" for op in QUANTIZE_OPS}
 )
 #: Prefix of the names of each op's kernels.
 _PREFIX: Final = {
@@ -89,6 +111,8 @@ _PREFIX: Final = {
     "rms_norm_backward": "rms_bwd_",
     "add_layer_norm": "add_",
     "add_rms_norm": "add_rms_",
+    "layer_norm_quantize": "q_",
+    "rms_norm_quantize": "rms_q_",
 }
 #: The kernels of an op: ``rows`` (over rows: y, or dx; ``items`` 0 is the loop kernel), and for
 #: the backward ``partials`` (per-chunk column sums) and ``sum`` (the chunks added per column).
@@ -112,10 +136,24 @@ def vector_width(dtype: str) -> int:
     return 16 // ITEMSIZE[dtype]
 
 
+def layout_dtype(op: str, dtype: str) -> str:
+    """The dtype whose chunks and rungs ``op`` lays out rows of ``dtype`` in: ``dtype`` itself,
+    except for the quantizing ops, which lay out every row as float32 rows (float64 ones as
+    float64), so that y is bitwise the float32 kernels' y."""
+    if op in QUANTIZE_OPS:
+        return "float64" if dtype == "float64" else "float32"
+    return dtype
+
+
+def chunk_width(op: str, dtype: str) -> int:
+    """Elements per chunk of a row of ``dtype`` in the kernels of ``op``."""
+    return vector_width(layout_dtype(op, dtype))
+
+
 def _max_items(op: str, dtype: str) -> int:
     """Chunks per thread at most: 32 float accumulators (16 doubles) of row per thread; half as
     many chunks for the backward, whose threads hold two arrays (d and g)."""
-    forward = 4 if ITEMSIZE[dtype] == 2 else 8
+    forward = 4 if ITEMSIZE[layout_dtype(op, dtype)] == 2 else 8
     return forward // 2 if op in BACKWARD_OPS else forward
 
 
@@ -213,7 +251,7 @@ class Specialisation:
         """Longest row held in registers (``None``: any length)."""
         if self.loop or self.stage != "rows":
             return None
-        return self.threads * self.items * vector_width(self.dtype)
+        return self.threads * self.items * chunk_width(self.op, self.dtype)
 
 
 @functools.cache
@@ -262,8 +300,9 @@ class LaunchPlan:
 
     @property
     def vector_width(self) -> int:
-        """Elements per chunk (one 16-byte access when ``specialisation.vector``)."""
-        return vector_width(self.specialisation.dtype)
+        """Elements per chunk (one access when ``specialisation.vector``: 16 bytes, 8 for a
+        half-type row of a quantizing op)."""
+        return chunk_width(self.specialisation.op, self.specialisation.dtype)
 
     @property
     def threads_per_row(self) -> int:
@@ -292,17 +331,21 @@ def plan_launch(
     addresses: Sequence[int | None],
     row_strides: Sequence[int],
 ) -> LaunchPlan:
-    """The launch of ``op`` (``"layer_norm"``, ``"rms_norm"``, or a fused op of
-    :data:`FUSED_OPS`) for rows of ``cols`` elements of ``dtype``.
+    """The launch of ``op`` (``"layer_norm"``, ``"rms_norm"``, a fused op of
+    :data:`FUSED_OPS` or a quantizing op of :data:`QUANTIZE_OPS`) for rows of ``cols`` elements
+    of ``dtype``.
 
     ``param_dtype``: dtype of weight and bias (``None``: neither given). ``addresses``: byte
     addresses of x, out, weight and bias (the fused ops: x, residual, out, h, weight and bias;
-    ``None`` for those absent); ``row_strides``: element strides between rows of x and out (the
-    fused ops: x, residual, out and h). 16-byte accesses are used when every address and every
-    row stride in bytes is a multiple of 16 and ``cols`` a multiple of the chunk length.
+    the quantizing ops: x, residual, q, h, weight, bias; ``None`` for those absent);
+    ``row_strides``: element strides between rows of x and out (the fused ops: x, residual,
+    out and h; the quantizing ops: x, residual and h). Vector accesses (one per chunk) are used
+    when every address is a multiple of 16 and ``cols`` and every row stride a multiple of the
+    chunk length.
     """
-    if op not in FORWARD_OPS + FUSED_OPS:
-        raise ValueError(f"plan_launch plans {', '.join(FORWARD_OPS + FUSED_OPS)}, not {op}")
+    planned = FORWARD_OPS + FUSED_OPS + QUANTIZE_OPS
+    if op not in planned:
+        raise ValueError(f"plan_launch plans {', '.join(planned)}, not {op}")
     return _plan_rows(op, cols, dtype, param_dtype, addresses, row_strides)
 
 
@@ -320,11 +363,11 @@ def _plan_rows(
     param = dtype if param_dtype is None else param_dtype
     if param not in param_dtypes(dtype):
         raise ValueError(f"weight/bias of dtype {param} do not go with x of dtype {dtype}")
-    width, itemsize = vector_width(dtype), ITEMSIZE[dtype]
+    width = chunk_width(op, dtype)
     vector = (
         cols % width == 0
         and all(a % 16 == 0 for a in addresses if a is not None)
-        and all(s * itemsize % 16 == 0 for s in row_strides)
+        and all(s % width == 0 for s in row_strides)
     )
     for threads, items in _ladder(op, dtype):
         if cols <= threads * items * width:

@@ -1,6 +1,6 @@
 """The CuPy backend: the raw CUDA kernels of ``kernels/`` (LayerNorm and RMSNorm, forward in
-``layer_norm.cu``, backward in ``backward.cu``, fused with a residual add in ``add_norm.cu``),
-compiled with NVRTC.
+``layer_norm.cu``, backward in ``backward.cu``, fused with a residual add in ``add_norm.cu``,
+with quantized outputs in ``quantize.cu``), compiled with NVRTC.
 
 Serves CuPy arrays, and CUDA torch tensors when named explicitly (``backend="cupy"``): those are
 read and written in place through their raw pointers on torch's current stream, and the result
@@ -21,7 +21,13 @@ from typing import Any, Final
 import numpy as np
 
 from normlab.backends.cuda_compile import compile_kernels, nvrtc_problem, target_for
-from normlab.backends.cuda_launch import Specialisation, plan_backward, plan_launch, program_of
+from normlab.backends.cuda_launch import (
+    QUANTIZING,
+    Specialisation,
+    plan_backward,
+    plan_launch,
+    program_of,
+)
 from normlab.errors import BackendError
 from normlab.hookspecs import Plan
 
@@ -32,12 +38,15 @@ __all__ = [
     "from_numpy",
     "layer_norm",
     "layer_norm_backward",
+    "quantized",
     "rms_norm",
     "rms_norm_backward",
     "to_numpy",
 ]
 
 _STATS: Final = {"float32": np.float32, "float64": np.float64}
+#: The kernels' ``mode`` argument of each quantization mode (kernels/quantize.cuh).
+_MODES: Final = {"int8": 0, "fp8_e4m3": 1}
 _functions: dict[tuple[int, Specialisation], Any] = {}
 
 
@@ -115,6 +124,10 @@ class _Cupy:
     def stream(a: Any) -> Any:
         return None  # CuPy's current stream
 
+    @staticmethod
+    def q_dtype(mode: str) -> Any:
+        return np.int8 if mode == "int8" else np.uint8  # CuPy has no float8: its bits
+
 
 class _Torch:
     """CUDA torch tensors, through raw pointers on torch's current stream."""
@@ -160,6 +173,12 @@ class _Torch:
         if hasattr(current, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
             return cupy.cuda.Stream.from_external(current)  # CuPy 14 and torch 2.6 or newer
         return cupy.cuda.ExternalStream(current.cuda_stream, a.device.index)
+
+    @staticmethod
+    def q_dtype(mode: str) -> Any:
+        import torch
+
+        return torch.int8 if mode == "int8" else torch.float8_e4m3fn
 
 
 def layer_norm(
@@ -284,6 +303,48 @@ def _launch_fused(
     with cupy.cuda.Device(device):
         function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
     return y, h, mean, rstd
+
+
+def quantized(
+    x: Any, residual: Any, weight: Any, bias: Any, *, plan: Plan, residual_out: Any
+) -> tuple[Any, Any, Any]:
+    """q, scale and h of ``plan.op`` (a forward op, or a fused one with ``residual``) in one
+    kernel (``kernels/quantize.cu``), y never in memory; see :mod:`normlab.hookspecs`. q is int8,
+    or float8 e4m3fn (CuPy: its bits as uint8); y is bitwise this backend's y of x in float32
+    (float64 x: its y rounded to float32). ``residual_out`` may be the memory of residual or
+    x."""
+    import cupy
+
+    _refuse_grad(plan)
+    arrays = _Torch if plan.family == "torch" else _Cupy
+    rows, cols = plan.rows, plan.cols
+    w, b, param_dtype = _parameters(arrays, weight, bias, plan)
+    mode = plan.quantize or "int8"
+    q = arrays.empty((rows, cols), arrays.q_dtype(mode), x)
+    scale = arrays.empty((rows,), arrays.stats_dtype("float32"), x)
+    h = None
+    if residual is not None and plan.return_residual:
+        h = residual_out if residual_out is not None else arrays.empty((rows, cols), x.dtype, x)
+    x_at, r_at, q_at, h_at, w_at, b_at, scale_at = (
+        0 if a is None else arrays.address(a) for a in (x, residual, q, h, w, b, scale)
+    )
+    strides = [cols if a is None else arrays.row_stride(a) for a in (x, residual, h)]
+    launch = plan_launch(
+        QUANTIZING[plan.op], cols, plan.dtype, param_dtype,
+        [x_at, r_at or None, q_at, h_at or None, w_at or None, b_at or None], strides,
+    )  # fmt: skip
+    device = arrays.device(x)
+    function = _function(device, launch.specialisation)
+    pointers = (np.uint64(a) for a in (x_at, r_at, w_at, b_at, q_at, h_at, scale_at))
+    sizes = (np.int64(n) for n in (rows, cols, *strides))
+    stats = _STATS[plan.stats_dtype]
+    args = (
+        *pointers, *sizes, stats(plan.eps), stats(plan.weight_offset),
+        np.float32(plan.quantize_scale or 0.0), np.int32(_MODES[mode]),
+    )  # fmt: skip  # the kernels' order
+    with cupy.cuda.Device(device):
+        function((launch.grid(rows),), (launch.block,), args, stream=arrays.stream(x))
+    return q, scale, h
 
 
 def _parameters(arrays: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, Any, str | None]:

@@ -44,42 +44,6 @@
 
 namespace normlab {
 
-// h = x + r rounded to T, as an accumulator value (exact: h is a value of T).
-template <typename T, typename A>
-__device__ __forceinline__ A rounded_sum(A x, A r) {
-  return to_acc(from_acc<T>(x + r));
-}
-
-// Loads one thread's ITEMS chunks of h = x + r (chunk i at column first + i * step; `cols`
-// columns in all) into V, unshifted (as load_thread_chunks loads x: 0 for columns past the row),
-// and the number of columns of each chunk inside the row into N.
-template <bool VECTOR, int ITEMS, int VEC, typename T, typename A>
-__device__ __forceinline__ void load_sum_chunks(
-    const T* X, const T* R, long long first, long long step, long long cols, A (&V)[ITEMS][VEC],
-    int (&N)[ITEMS]) {
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    N[i] = chunk_count<VEC>(first + i * step, cols);
-    A r[VEC];
-    load_chunk<VECTOR>(X, first + i * step, N[i], A(0), V[i]);
-    load_chunk<VECTOR>(R, first + i * step, N[i], A(0), r);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      V[i][k] = rounded_sum<T>(V[i][k], r[k]);
-    }
-  }
-}
-
-// Writes the first N[i] values of each chunk V[i] (h, exact in T) to the row H.
-template <bool VECTOR, int ITEMS, int VEC, typename T, typename A>
-__device__ __forceinline__ void store_chunks(
-    T* H, const A (&V)[ITEMS][VEC], const int (&N)[ITEMS], long long first, long long step) {
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    store_chunk<VECTOR>(H, first + i * step, N[i], V[i]);
-  }
-}
-
 // One row per group of THREADS threads, as normalize_rows (layer_norm.cu), for rows with
 // cols <= THREADS * ITEMS * VEC. Grid: any size; blocks stride over the row groups.
 template <typename T, typename P, bool CENTRE, int THREADS, int ITEMS, bool VECTOR>
@@ -172,35 +136,12 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) add_normalize_loop(
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = X + row * x_row_stride;
     const T* r = R + row * r_row_stride;
-    RowNorm<A> s;
-    if constexpr (CENTRE) {
-      const A x0 = rounded_sum<T>(to_acc(x[0]), to_acc(r[0]));
-      Sums<A, 1> shifted{};  // the empty set
-      for (long long base = 0; base <= last; base += SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_sum_chunks<VECTOR>(x, r, base + first, STEP, cols, v, n);
-        shifted = combine(shifted, shifted_sum(v, n, x0));
-      }
-      const A m = shifted_mean(row_combine<WARPS>(shifted, partial.shifted, t / 32), x0, cols);
-      Sums<A, 2> deviations{};
-      for (long long base = last; base >= 0; base -= SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_sum_chunks<VECTOR>(x, r, base + first, STEP, cols, v, n);
-        deviations = combine(deviations, deviation_sums(v, n, m));
-      }
-      s = corrected_norm(row_combine<WARPS>(deviations, partial.deviations, t / 32), m, cols, eps);
-    } else {
-      SquareSum<A> squares{};
-      for (long long base = 0; base <= last; base += SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_sum_chunks<VECTOR>(x, r, base + first, STEP, cols, v, n);
-        squares = combine(squares, square_sum(v, n));
-      }
-      s = square_norm(row_combine<WARPS>(squares, partial.squares, t / 32), cols, eps);
-    }
+    const auto load = [&](long long base, A (&v)[LOOP_ITEMS][VEC], int (&n)[LOOP_ITEMS]) {
+      load_sum_chunks<VECTOR>(x, r, base + first, STEP, cols, v, n);
+    };
+    const A x0 = CENTRE ? rounded_sum<T>(to_acc(x[0]), to_acc(r[0])) : A(0);
+    const RowNorm<A> s =
+        swept_norm<CENTRE, WARPS, VEC>(load, x0, last, SWEEP, cols, eps, partial, t / 32);
     if (CENTRE && t == 0 && Mean != nullptr) {
       Mean[row] = s.mean;
     }
@@ -213,7 +154,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) add_normalize_loop(
       const long long base = CENTRE ? step : last - step;
       A v[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
-      load_sum_chunks<VECTOR>(x, r, base + first, STEP, cols, v, n);
+      load(base, v, n);
       if (h != nullptr) {
         store_chunks<VECTOR>(h, v, n, base + first, STEP);
       }

@@ -131,35 +131,12 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
   const long long last = (cols - 1) / SWEEP * SWEEP;  // first column of the last step
   for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* x = X + row * x_row_stride;
-    RowNorm<A> s;
-    if constexpr (CENTRE) {
-      const A x0 = to_acc(x[0]);
-      Sums<A, 1> shifted{};  // the empty set
-      for (long long base = 0; base <= last; base += SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
-        shifted = combine(shifted, shifted_sum(v, n, x0));
-      }
-      const A m = shifted_mean(row_combine<WARPS>(shifted, partial.shifted, t / 32), x0, cols);
-      Sums<A, 2> deviations{};
-      for (long long base = last; base >= 0; base -= SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
-        deviations = combine(deviations, deviation_sums(v, n, m));
-      }
-      s = corrected_norm(row_combine<WARPS>(deviations, partial.deviations, t / 32), m, cols, eps);
-    } else {
-      SquareSum<A> squares{};
-      for (long long base = 0; base <= last; base += SWEEP) {
-        A v[LOOP_ITEMS][VEC];
-        int n[LOOP_ITEMS];
-        load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
-        squares = combine(squares, square_sum(v, n));
-      }
-      s = square_norm(row_combine<WARPS>(squares, partial.squares, t / 32), cols, eps);
-    }
+    const auto load = [&](long long base, A (&v)[LOOP_ITEMS][VEC], int (&n)[LOOP_ITEMS]) {
+      load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+    };
+    const A x0 = CENTRE ? to_acc(x[0]) : A(0);
+    const RowNorm<A> s =
+        swept_norm<CENTRE, WARPS, VEC>(load, x0, last, SWEEP, cols, eps, partial, t / 32);
     if (CENTRE && t == 0 && Mean != nullptr) {  // flat tests: nested ones cost registers
       Mean[row] = s.mean;
     }
@@ -171,7 +148,7 @@ __global__ void __launch_bounds__(LOOP_THREADS, 1) normalize_loop(
       const long long base = CENTRE ? step : last - step;
       A v[LOOP_ITEMS][VEC];
       int n[LOOP_ITEMS];
-      load_thread_chunks<VECTOR>(x, base + first, STEP, cols, v, n);
+      load(base, v, n);
       write_chunks<CENTRE, VECTOR>(y, W, B, v, n, base + first, STEP, s.mean, s.rstd, offset);
     }
   }

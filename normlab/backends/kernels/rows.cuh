@@ -1,7 +1,7 @@
 // How the kernels hold rows: the 16-bit storage types, the accumulation type of each element
-// type and the conversions to and from it, a row read and written in chunks of 16 bytes (one
-// 16-byte access, or element by element), and the block shape of the row-resident kernels.
-// Shared by the forward (layer_norm.cu) and the backward (backward.cu) kernels.
+// type and the conversions to and from it, a row read and written in chunks (of 16 bytes, or
+// of VEC accumulators' width in the quantizing kernels: one access of up to 16 bytes, or element
+// by element), and the block shape of the row-resident kernels. Shared by every kernel file.
 #pragma once
 
 #include "shapes.cuh"
@@ -72,19 +72,39 @@ __device__ __forceinline__ int chunk_count(long long c, long long cols) {
   return left <= 0 ? 0 : left >= VEC ? VEC : static_cast<int>(left);
 }
 
-// VEC elements of type E, seen as WORDS 16-byte words for loads and stores (VEC * sizeof(E) is
-// a multiple of 16). Reading the member not last written is the usual CUDA idiom for reusing
-// the bits of a vector access; nvcc and NVRTC define it.
+// The unsigned word of BYTES bytes (2, 4, 8 or 16) a chunk is read and written with.
+template <int BYTES>
+struct Word {
+  using type = uint4;
+};
+template <>
+struct Word<8> {
+  using type = uint2;
+};
+template <>
+struct Word<4> {
+  using type = unsigned int;
+};
+template <>
+struct Word<2> {
+  using type = unsigned short;
+};
+
+// VEC elements of type E, seen as WORDS words of up to 16 bytes for loads and stores
+// (VEC * sizeof(E) is 2, 4, 8 or a multiple of 16). Reading the member not last written is the
+// usual CUDA idiom for reusing the bits of a vector access; nvcc and NVRTC define it.
 template <typename E, int VEC>
 union Chunk {
-  static constexpr int WORDS = VEC * static_cast<int>(sizeof(E)) / 16;
+  static constexpr int BYTES = VEC * static_cast<int>(sizeof(E));
+  using W = typename Word<(BYTES < 16 ? BYTES : 16)>::type;
+  static constexpr int WORDS = BYTES / static_cast<int>(sizeof(W));
   E v[VEC];
-  uint4 w[WORDS];
+  W w[WORDS];
 };
 
 // Reads the first n of the VEC elements Row[c, c + VEC) into V, the rest as `fill`.
-// VECTOR: Row + c is 16-byte aligned and n is 0 or VEC (the planner guarantees both), so the
-// chunk is read with 16-byte loads.
+// VECTOR: Row + c is aligned to the chunk's size and n is 0 or VEC (the planner guarantees
+// both), so the chunk is read with loads of up to 16 bytes.
 template <bool VECTOR, int VEC, typename E, typename A>
 __device__ __forceinline__ void load_chunk(const E* Row, long long c, int n, A fill, A (&V)[VEC]) {
   if constexpr (VECTOR) {
@@ -92,7 +112,7 @@ __device__ __forceinline__ void load_chunk(const E* Row, long long c, int n, A f
     C raw;
 #pragma unroll
     for (int k = 0; k < C::WORDS; ++k) {
-      raw.w[k] = n > 0 ? reinterpret_cast<const uint4*>(Row + c)[k] : make_uint4(0, 0, 0, 0);
+      raw.w[k] = n > 0 ? reinterpret_cast<const typename C::W*>(Row + c)[k] : typename C::W{};
     }
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
@@ -120,7 +140,7 @@ __device__ __forceinline__ void store_chunk(T* Row, long long c, int n, const A 
       }
 #pragma unroll
       for (int k = 0; k < C::WORDS; ++k) {
-        __stwb(reinterpret_cast<uint4*>(Row + c) + k, raw.w[k]);  // never split into scalars
+        __stwb(reinterpret_cast<typename C::W*>(Row + c) + k, raw.w[k]);  // never split
       }
     }
   } else {

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,21 +38,12 @@ from normlab.constants import (
 from normlab.errors import BackendError
 from normlab.ops import OPS
 from normlab.testing.conversions import numpy_dtype
+from tests.support.cuda_source import parameter_names
 from tests.support.host_memory import HostArray, host_view
 
 ALIGNED = [0x7F0000000000, 0x7F0000100000, 0x7F0000200000, None]  # dy, x, dx, weight
 SOURCE = (cuda_compile.KERNEL_DIR / "backward.cu").read_text()
 FORWARD_OP = {"layer_norm_backward": "layer_norm", "rms_norm_backward": "rms_norm"}
-
-
-def _parameter_names(kernel: str) -> tuple[str, ...]:
-    """The parameter names of ``kernel`` as backward.cu declares them, in order."""
-    match = re.search(rf"\n{kernel}\((.*?)\) \{{", SOURCE, re.S) or re.search(
-        rf"void __launch_bounds__\([^)]*\) {kernel}\((.*?)\) \{{", SOURCE, re.S
-    )
-    assert match, f"{kernel} is not defined in backward.cu"
-    text = re.sub(r"//[^\n]*", "", match.group(1))
-    return tuple(re.findall(r"(\w+)\s*$", piece.strip())[0] for piece in text.split(","))
 
 
 KERNELS = {
@@ -100,7 +90,11 @@ def test_backward_threads_hold_half_the_forward_s_chunks() -> None:
             ).rows.specialisation.loop
             beyond = plan_backward(op, limit + 8, dtype, None, ALIGNED, [limit + 8] * 3)
             assert beyond.rows.specialisation.loop
-        forward = max(s.items for s in cuda_launch.all_specialisations() if s.dtype == dtype)
+        forward = max(
+            s.items
+            for s in cuda_launch.all_specialisations()
+            if s.dtype == dtype and s.op in cuda_launch.FORWARD_OPS
+        )
         backward = max(
             s.items
             for s in cuda_launch.all_specialisations()
@@ -201,7 +195,7 @@ def test_the_backward_source_and_the_planner_agree() -> None:
 def test_the_kernels_parameters_are_pointers_then_sizes() -> None:
     """Pointers are capitalised, sizes are not (the launch passes uint64 then int64)."""
     for kernel in KERNELS.values():
-        names = _parameter_names(kernel)
+        names = parameter_names("backward.cu", kernel)
         pointers = [n for n in names if n[0].isupper()]
         assert names[: len(pointers)] == tuple(pointers), kernel
         assert all(n[0].islower() for n in names[len(pointers) :]), kernel
@@ -228,7 +222,7 @@ class _FakeBackwardKernel:
     def __call__(
         self, grid: tuple[int, ...], block: tuple[int], args: tuple[Any, ...], stream: Any = None
     ) -> None:
-        names = _parameter_names(KERNELS[self.spec.stage, self.spec.loop])
+        names = parameter_names("backward.cu", KERNELS[self.spec.stage, self.spec.loop])
         assert len(args) == len(names)
         for name, value in zip(names, args, strict=True):
             if name == "offset":  # the weight offset, in the accumulation type

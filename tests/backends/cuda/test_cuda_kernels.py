@@ -300,6 +300,8 @@ def test_specialisations_have_unique_names_and_expressions() -> None:
         "rms_norm_backward",
         "add_layer_norm",
         "add_rms_norm",
+        "layer_norm_quantize",
+        "rms_norm_quantize",
     }
 
 
