@@ -28,6 +28,7 @@ import normlab
 from normlab import arrays, dispatch, reference, registry
 from normlab.constants import FLOAT_DTYPES
 from normlab.errors import BackendError, NormlabWarning
+from normlab.precompile import DIRECTIONS
 from normlab.registry import Backend
 
 __all__ = ["main"]
@@ -133,9 +134,9 @@ def _parser() -> argparse.ArgumentParser:
         "warmup",
         help="compile the numba kernels ahead of time (for a Docker build step)",
         description="Compile numba's kernels for dtypes x {contiguous, strided} x {serial, "
-        "parallel} x {forward, backward, fused} into numba's on-disk cache, so that first calls "
-        "later load them instead of compiling. The cache is tied to this CPU model: see "
-        "docs/numba.md.",
+        "parallel} x {forward, backward, fused, quantized} into numba's on-disk cache, so that "
+        "first calls later load them instead of compiling. The cache is tied to this CPU model: "
+        "see docs/numba.md.",
     )
     warm.add_argument(
         "--dtypes", nargs="+", choices=FLOAT_DTYPES, default=list(FLOAT_DTYPES), metavar="DTYPE"
@@ -143,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument(
         "--ops",
         nargs="+",
-        choices=("forward", "backward", "fused"),
-        default=["forward", "backward", "fused"],
+        choices=DIRECTIONS,
+        default=list(DIRECTIONS),
     )
     warm.add_argument("--cache-dir", help="numba's cache directory (NUMBA_CACHE_DIR)")
     warm.set_defaults(handler=_warmup)

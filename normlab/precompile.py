@@ -5,6 +5,7 @@ machine, 10-20 s on a loaded one); numba caches it on disk, and later processes 
 milliseconds. :func:`warmup` makes those first calls now, on small arrays, for the set
 
     dtypes x {contiguous, strided} x {serial, parallel} x {forward, backward, fused}
+    dtypes x {contiguous} x {serial, parallel} x {quantized}
 
 where *strided* is a row view of every other column, *parallel* an input of at least
 :data:`~normlab.backends.numba_pool.SERIAL_ELEMENTS` elements (the kernels that run on
@@ -12,7 +13,10 @@ numba's threads; compiled only where numba has more than one thread), forward is
 ``layer_norm`` with weight and bias (``rms_norm`` runs the same kernels), backward
 ``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels) and fused
 the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
-kernels), with h returned and without (two kernels). Where torch is installed, the contiguous
+kernels), with h returned and without (two kernels), and quantized the numba backend's
+quantizing kernels (``layer_norm`` and ``add_layer_norm`` with ``quantize="int8"``, h returned
+and without; every mode and ``rms_norm`` run the same kernels; strided rows are composed from
+the forward's). Where torch is installed, the contiguous
 forward and fused calls, serial and parallel, are also made on CPU tensors (the numba
 backend's address entries, which contiguous tensors run; for half dtypes with float32
 parameters and with parameters in x's dtype, which the entries widen themselves). Rows longer
@@ -35,8 +39,9 @@ from normlab.errors import ArgumentError, BackendError
 
 __all__ = ["DIRECTIONS", "Warmed", "WarmupCall", "warmup", "warmup_calls"]
 
-#: ``ops`` for :func:`warmup`: the forward, the backward and the fused residual-add kernels.
-DIRECTIONS: Final = ("forward", "backward", "fused")
+#: ``ops`` for :func:`warmup`: the forward, the backward, the fused residual-add and the
+#: quantizing kernels.
+DIRECTIONS: Final = ("forward", "backward", "fused", "quantized")
 _COLS: Final = 64
 
 
@@ -86,6 +91,7 @@ def warmup_calls(
         for strided in (False, True)
         for threads in ((False, True) if parallel else (False,))
         for direction in ops
+        if not (strided and direction == "quantized")  # composed: the forward's kernels
     ]
 
 
@@ -99,7 +105,7 @@ def warmup(
 
     Args:
         dtypes: any of ``float16``, ``bfloat16`` (needs ``ml_dtypes``), ``float32``, ``float64``.
-        ops: any of ``"forward"``, ``"backward"``, ``"fused"``.
+        ops: any of ``"forward"``, ``"backward"``, ``"fused"``, ``"quantized"``.
         cache_dir: numba's cache directory (``NUMBA_CACHE_DIR``); it must be given before the
             numba backend is first used in this process.
         progress: wraps the iterator of calls (the command line shows a progress bar with it).
@@ -119,7 +125,13 @@ def warmup(
         raise BackendError(f"warmup compiles numba kernels: {numba_backend.reason}")
     import numba
 
-    from normlab.backends import numba_addressed, numba_backward, numba_forward, numba_fused
+    from normlab.backends import (
+        numba_addressed,
+        numba_backward,
+        numba_forward,
+        numba_fused,
+        numba_quantize,
+    )
 
     skipped = []
     if "bfloat16" in dtypes and _bfloat16() is None:
@@ -128,7 +140,9 @@ def warmup(
     calls = warmup_calls(dtypes, ops, parallel=numba.get_num_threads() > 1)
     if numba.get_num_threads() == 1:
         skipped.append("parallel kernels (numba has one thread here)")
-    entries = _entry_points(numba_forward, numba_backward, numba_fused, numba_addressed)
+    entries = _entry_points(
+        numba_forward, numba_backward, numba_fused, numba_addressed, numba_quantize
+    )
     before = _cache_counts(entries)
     start = time.perf_counter()
     with notices.compile_notices_silenced():
@@ -202,6 +216,10 @@ def _entry_points(*modules: Any) -> list[Any]:
         "backward_chunks",
         "backward_chunks_parallel",
         "sum_chunks",
+        "norm_quantize_rows",
+        "norm_quantize_rows_parallel",
+        "add_norm_quantize_rows",
+        "add_norm_quantize_rows_parallel",
     )
     return [getattr(m, n) for m in modules for n in names if hasattr(m, n)]
 
@@ -234,8 +252,11 @@ def _run(call: WarmupCall) -> None:
     x = base.astype(dtype)[:, ::cols_stride]
     param = np.float32 if call.dtype in ("float16", "bfloat16") else dtype
     weight, bias = np.ones(_COLS, param), np.zeros(_COLS, param)
+    residual = base[::-1].astype(dtype)[:, ::cols_stride]
+    if call.direction == "quantized":
+        _run_quantized(x, residual, weight, bias)
+        return
     if call.direction == "fused":
-        residual = base[::-1].astype(dtype)[:, ::cols_stride]
         _run_fused(x, residual, weight, bias)
     else:
         y, mean, rstd = api.layer_norm(
@@ -288,3 +309,16 @@ def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:
         numba_backend.add_layer_norm(
             x, residual, weight, bias, plan=plan, out=None, residual_out=None
         )
+
+
+def _run_quantized(x: Any, residual: Any, weight: Any, bias: Any) -> None:
+    """The numba backend's quantizing kernels for ``x``'s dtype and size: ``layer_norm`` and
+    ``add_layer_norm`` (h returned and not) with int8 outputs."""
+    from normlab import api
+
+    api.layer_norm(x, weight=weight, bias=bias, quantize="int8", backend="numba")
+    for keep_h in (True, False):
+        api.add_layer_norm(
+            x, residual, weight=weight, bias=bias, return_residual=keep_h, quantize="int8",
+            backend="numba",
+        )  # fmt: skip

@@ -163,6 +163,20 @@ def test_a_first_call_that_compiles_says_so_and_a_cached_one_does_not(tmp_path: 
     assert NOTICE not in quiet.stderr
 
 
+def test_the_warmup_set_covers_every_kernel_family() -> None:
+    """dtypes x layouts x threads x directions, the quantizing kernels on contiguous rows only
+    (strided quantized calls are composed from the forward's kernels)."""
+    from normlab import precompile
+
+    calls = precompile.warmup_calls(["float32"])
+    assert {c.direction for c in calls} == set(precompile.DIRECTIONS)
+    quantized = [c for c in calls if c.direction == "quantized"]
+    assert [(c.strided, c.parallel) for c in quantized] == [(False, False), (False, True)]
+    assert len(calls) == 2 * 2 * 3 + 2
+    with pytest.raises(normlab.ArgumentError, match="unknown op"):
+        precompile.warmup_calls(["float32"], ["quantize"])
+
+
 WARMED_CALLS = """
     import normlab
     warmed = normlab.warmup(["float32"])
