@@ -9,9 +9,10 @@
 # Stages, each under its own time limit, each covering layer_norm and rms_norm; the limits add
 # up to 270 s, so the whole check (with the wheels' install, ~10 s) stays under 5 minutes:
 #   info         (10 s)  normlab info: which backends run here, and why not
-#   kernels      (30 s)  normlab kernels: NVRTC compiles every kernel, forward and backward, for
-#                        this GPU (fills the cubin cache of the later stages; 44 s of CPU time,
-#                        in parallel on the machine's cores); not in a dry run
+#   kernels      (30 s)  normlab kernels: NVRTC compiles every kernel (forward, fused,
+#                        quantizing, backward: 56 programs) for this GPU (fills the cubin cache
+#                        of the later stages; 130 s of CPU time on a 2-core VM, in parallel on
+#                        the machine's cores); not in a dry run
 #   conformance  (75 s)  normlab check cupy: the conformance suite on CuPy arrays
 #   conformance-torch
 #                (75 s)  normlab check cupy --arrays torch: the suite on CUDA tensors through
