@@ -10,7 +10,7 @@
 # up to 270 s, so the whole check (with the wheels' install, ~10 s) stays under 5 minutes:
 #   info         (10 s)  normlab info: which backends run here, and why not
 #   kernels      (30 s)  normlab kernels: NVRTC compiles every kernel (forward, fused,
-#                        quantizing, backward: 56 programs) for this GPU (fills the cubin cache
+#                        quantizing, backward: 44 programs) for this GPU (fills the cubin cache
 #                        of the later stages; 130 s of CPU time on a 2-core VM, in parallel on
 #                        the machine's cores); not in a dry run
 #   conformance  (75 s)  normlab check cupy: the conformance suite on CuPy arrays
