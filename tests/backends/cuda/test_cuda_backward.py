@@ -530,12 +530,6 @@ def test_the_launches_do_not_depend_on_the_device(fake_cupy: Any) -> None:
     assert launches[0][-1].sizes == (chunks, cols)
 
 
-@pytest.fixture
-def torch_module() -> Any:
-    """torch, imported before a fake cupy is installed (torch looks for cupy when imported)."""
-    return pytest.importorskip("torch")
-
-
 def test_torch_tensors_are_read_through_their_pointers(
     torch_module: Any, fake_cupy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -393,3 +393,31 @@ def test_the_cupy_record_writes_quantized_outputs_itself() -> None:
     """The core calls the kernels for quantized calls (normlab.quantize.native) instead of
     composing the float32 y and the reference quantizer."""
     assert "quantize" in registry.get("cupy").capabilities
+
+
+def test_cuda_tensors_get_torch_s_q_dtypes(
+    torch_module: Any, fake_cupy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named explicitly (backend="cupy"), CUDA tensors (CPU tensors stand in) get q as
+    torch.int8 or torch.float8_e4m3fn and a float32 tensor of scales, written through their
+    pointers."""
+    torch = torch_module
+    pytest.importorskip("ml_dtypes")
+    monkeypatch.setattr(fake_cupy._Torch, "stream", staticmethod(lambda a: None))
+    monkeypatch.setattr(fake_cupy._Torch, "device", staticmethod(lambda a: 0))
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((6, 40)).astype(np.float32)
+    w = rng.standard_normal(40).astype(np.float32)
+    y = reference.rms_norm(x, weight=w, eps=1e-6)[0].astype(np.float32)
+    for mode, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+        base = spec.plan("rms_norm", x, weight=w, eps=1e-6)
+        plan = dataclasses.replace(base, family="torch", quantize=mode)
+        q, scale, h = fake_cupy.quantized(
+            torch.from_numpy(x), None, torch.from_numpy(w), None, plan=plan, residual_out=None
+        )
+        want_q, want_scale = quantize.reference(y, mode, None, (1,))
+        assert q.dtype == dtype and scale.dtype == torch.float32 and h is None
+        np.testing.assert_array_equal(
+            q.view(torch.uint8).numpy(), np.asarray(want_q).view(np.uint8)
+        )
+        np.testing.assert_array_equal(scale.numpy(), want_scale[:, 0])
