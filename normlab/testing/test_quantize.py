@@ -33,6 +33,8 @@ STATICS: Final = (None, 0.03125, 1e-4)
 #: Rows and columns of the calls: an odd row count, more than one block of columns. Row 5 is
 #: zeros (RMSNorm: y = 0, a scale of 0), row 7 is one value (LayerNorm: y = bias).
 ROWS, COLS = 37, 300
+#: Rows longer than a GPU kernel holds in registers (16,384 float32 elements), and how many.
+LONG_ROWS, LONG_COLS = 9, 20_000
 
 
 def _require(s: Subject, op: str, dtype: str, mode: str = "int8") -> None:
@@ -51,10 +53,10 @@ def _require(s: Subject, op: str, dtype: str, mode: str = "int8") -> None:
         pytest.skip(f"backend {s.name!r} serves no float32: the contract's y is a float32 one")
 
 
-def _inputs(dtype: str, seed: int) -> dict[str, np.ndarray]:
+def _inputs(dtype: str, seed: int, rows: int = ROWS, cols: int = COLS) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    shape = (ROWS, COLS)
-    x = rng.standard_normal(shape) * rng.uniform(0.5, 3, (ROWS, 1)) + rng.normal(0, 2, (ROWS, 1))
+    shape = (rows, cols)
+    x = rng.standard_normal(shape) * rng.uniform(0.5, 3, (rows, 1)) + rng.normal(0, 2, (rows, 1))
     x[5] = 0.0
     x[7] = 1.5
     residual = rng.standard_normal(shape)
@@ -62,8 +64,8 @@ def _inputs(dtype: str, seed: int) -> dict[str, np.ndarray]:
     values = {
         "x": x.astype(numpy_dtype(dtype)),
         "residual": residual.astype(numpy_dtype(dtype)),
-        "weight": rng.standard_normal(COLS).astype(np.float32),
-        "bias": rng.standard_normal(COLS).astype(np.float32),
+        "weight": rng.standard_normal(cols).astype(np.float32),
+        "bias": rng.standard_normal(cols).astype(np.float32),
     }
     return values
 
@@ -102,9 +104,11 @@ def _float32_y(s: Subject, op: str, given: dict[str, np.ndarray], h: np.ndarray 
     return y.astype(np.float32)
 
 
-def _repro(s: Subject, op: str, dtype: str, mode: str, static: float | None) -> str:
+def _repro(
+    s: Subject, op: str, dtype: str, mode: str, static: float | None, shape: Any = (ROWS, COLS)
+) -> str:
     return (
-        f"reproduce: normlab.{op} on {ROWS}x{COLS} {dtype} rows, quantize={mode!r}, "
+        f"reproduce: normlab.{op} on {shape[0]}x{shape[1]} {dtype} rows, quantize={mode!r}, "
         f"quantize_scale={static!r}, backend={s.backend!r}"
     )
 
@@ -132,8 +136,39 @@ def test_quantized_outputs(
     assert q_info.shape == (ROWS, COLS), f"q has shape {q_info.shape}\n{repro}"
     assert scale_info.dtype == "float32", f"scale is {scale_info.dtype}\n{repro}"
     assert scale_info.shape == (ROWS, 1), f"scale has shape {scale_info.shape}\n{repro}"
+    _same_bits_as_the_float32_y_quantized(s, op, given, mode, static, result, repro)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("op", OPS)
+def test_quantized_long_rows(normlab_subject: Subject, op: str, dtype: str, mode: str) -> None:
+    """Rows of 20,000 elements (beyond a GPU kernel's registers: its kernel that reads the row
+    again for max|y|) are the subject's float32 y quantized, bit for bit, and alone as in the
+    batch."""
+    s = normlab_subject
+    _require(s, op, dtype, mode)
+    given = _inputs(dtype, seed=23, rows=LONG_ROWS, cols=LONG_COLS)
+    repro = _repro(s, op, dtype, mode, None, (LONG_ROWS, LONG_COLS))
+    result = _call(s, op, given, quantize=mode)
+    _same_bits_as_the_float32_y_quantized(s, op, given, mode, None, result, repro)
+
+
+def _same_bits_as_the_float32_y_quantized(
+    s: Subject,
+    op: str,
+    given: dict[str, np.ndarray],
+    mode: str,
+    static: float | None,
+    result: Any,
+    repro: str,
+) -> None:
+    """q and scale of ``result`` are the subject's float32 y of ``given`` quantized by the
+    reference quantizer (a fused op's h, ``result[2]``, is its plain call's), and rows 3..8
+    alone give the same bits."""
+    q, scale = result[0], result[1]
     h = None
-    if fused:
+    if op.startswith("add_"):
         h = s.to_numpy(result[2])
         plain_h = s.to_numpy(_call(s, op, given)[1])
         assert same_bits(h, plain_h), f"h differs from the plain call's h\n{repro}"
