@@ -8,12 +8,9 @@ with the forward's; the kernels' results on a GPU are checked by benchmarks/gpu_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,6 +35,7 @@ from normlab.constants import (
 from normlab.errors import BackendError
 from normlab.ops import OPS
 from normlab.testing.conversions import numpy_dtype
+from tests.support import fake_cupy as fake_cupy_module
 from tests.support.cuda_source import parameter_names
 from tests.support.host_memory import HostArray, host_view
 
@@ -325,20 +323,9 @@ class _FakeBackwardKernel:
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fake ``cupy`` on a device of ``fake_cupy.capability``; every kernel launch is recorded in
     ``fake_cupy.launches``."""
-    from normlab.backends import cupy_backend
-
     launches: list[_Launch] = []
-    fake = SimpleNamespace(
-        empty=lambda shape, dtype: HostArray(np.empty(shape, dtype)),
-        ascontiguousarray=lambda a: HostArray(np.ascontiguousarray(a.a)),
-        launches=launches,
-        capability="90",
-    )
-    fake.cuda = SimpleNamespace(
-        Device=lambda i: contextlib.nullcontext(SimpleNamespace(compute_capability=fake.capability))
-    )
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cupy_backend, "_function", lambda dev, s: _FakeBackwardKernel(s, launches))
+    fake = fake_cupy_module.install(monkeypatch, lambda s: _FakeBackwardKernel(s, launches))
+    fake.launches = launches
     return fake
 
 

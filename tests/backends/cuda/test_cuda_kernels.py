@@ -8,15 +8,12 @@ backward's planner and launches: test_cuda_backward.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import json
 import re
 import stat
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -35,6 +32,7 @@ from normlab.backends.cuda_launch import (
     vector_width,
 )
 from normlab.constants import FLOAT_DTYPES
+from tests.support import fake_cupy as fake_cupy_module
 from tests.support.host_memory import HostArray, host_view
 
 ARCHS = ("sm_80", "sm_90")
@@ -761,14 +759,7 @@ def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A fake ``cupy`` module, and kernels that compute on host memory."""
     from normlab.backends import cupy_backend
 
-    device = SimpleNamespace(compute_capability="90")
-    fake = SimpleNamespace(
-        empty=lambda shape, dtype: HostArray(np.empty(shape, dtype)),
-        ascontiguousarray=lambda a: HostArray(np.ascontiguousarray(a.a)),
-        cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext(device)),
-    )
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cupy_backend, "_function", lambda dev, spec: _FakeKernel(spec))
+    fake_cupy_module.install(monkeypatch, _FakeKernel)
     return cupy_backend
 
 

@@ -6,14 +6,11 @@ to the kernels. NVRTC compiling them (no spills): test_cuda_kernels.py."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -30,6 +27,7 @@ from normlab.backends.cuda_launch import (
 )
 from normlab.constants import FLOAT_DTYPES
 from normlab.spec.quantize import LIMITS
+from tests.support import fake_cupy as fake_cupy_module
 from tests.support.cuda_source import parameter_names
 from tests.support.host_memory import HostArray, host_view
 
@@ -320,14 +318,7 @@ class _FakeQuantizeKernel:
 def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
     from normlab.backends import cupy_backend
 
-    device = SimpleNamespace(compute_capability="90")
-    fake = SimpleNamespace(
-        empty=lambda shape, dtype: HostArray(np.empty(shape, dtype)),
-        ascontiguousarray=lambda a: HostArray(np.ascontiguousarray(a.a)),
-        cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext(device)),
-    )
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cupy_backend, "_function", lambda dev, s: _FakeQuantizeKernel(s))
+    fake_cupy_module.install(monkeypatch, _FakeQuantizeKernel)
     return cupy_backend
 
 
