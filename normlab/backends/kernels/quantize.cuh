@@ -45,7 +45,7 @@ __host__ __device__ __forceinline__ float positive_infinity() {
 // The host tests' stand-in for the hardware's approximate reciprocal (test_cuda_quantize.py).
 float approximate_reciprocal(float m);
 #else
-// An approximation of 1 / m, m in [1, 2) (the hardware's, within an ulp or two).
+// An approximation of 1 / m, m in [1, 2) (the hardware's, within an ulp).
 __device__ __forceinline__ float approximate_reciprocal(float m) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(m));
@@ -69,9 +69,10 @@ __host__ __device__ __forceinline__ float nearest_quotient(float a, float m, flo
 
 // y / s correctly rounded, for s > 0 (inf and NaN included), with no slow path (an IEEE division calls
 // a subroutine for rare operands, and ptxas saves the registers that hold the row around it).
-// y = a 2^i and s = m 2^k with a, m in [1, 2) exactly; the quotient a / m of a Newton-refined
-// reciprocal is within an ulp of it, nearest_quotient rounds it (all in (1/2, 2): no operand
-// near float32's limits), and 2^(i - k) scales it back: exact wherever y / s is a normal
+// y = a 2^i and s = m 2^k with a, m in [1, 2) exactly; a r, r an approximate reciprocal of m,
+// corrected once by its remainder is within an ulp of a / m (its error is about the square of
+// r's), nearest_quotient rounds it (all in (1/2, 2): no operand near float32's limits), and
+// 2^(i - k) scales it back: exact wherever y / s is a normal
 // float32. Where it is not, y / s is beyond every limit (inf, clipped) or below every bin of q
 // (a subnormal of y's sign, twice rounded, quantized as the exact one).
 __host__ __device__ __forceinline__ float divide(float y, float s) {
@@ -85,12 +86,9 @@ __host__ __device__ __forceinline__ float divide(float y, float s) {
   int k;
   const float a = 2.0f * frexpf(y, &i);
   const float m = 2.0f * frexpf(s, &k);
-  float r = approximate_reciprocal(m);
-  r = fmaf(fmaf(-m, r, 1.0f), r, r);
-  float q = a * r;
-  q = fmaf(fmaf(-m, q, a), r, q);
-  q = fmaf(fmaf(-m, q, a), r, q);
-  return ldexpf(nearest_quotient(a, m, q), i - k);
+  const float r = approximate_reciprocal(m);
+  const float q = a * r;
+  return ldexpf(nearest_quotient(a, m, fmaf(fmaf(-m, q, a), r, q)), i - k);
 }
 
 // v rounded to an integral value, ties to even (the default rounding mode).

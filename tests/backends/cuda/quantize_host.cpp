@@ -1,7 +1,7 @@
 // The quantizer of the CUDA kernels (normlab/backends/kernels/quantize.cuh) built for the host,
-// for test_cuda_quantize.py: the same source, with the hardware's approximate reciprocal stood in
-// for by the exact one moved by up to two ulps, so that the division is checked from a start as
-// rough as rcp.approx's or rougher.
+// for test_cuda_quantize.py: the same source, with the hardware's approximate reciprocal (within
+// an ulp) stood in for by the exact one moved by up to 64 ulps, so that the division is checked
+// from a start far rougher than rcp.approx's.
 #include <cmath>
 
 #define __host__
@@ -14,7 +14,7 @@ namespace normlab {
 
 float approximate_reciprocal(float m) {
   float r = 1.0f / m;
-  const int moves = static_cast<int>(float_bits(m) % 5u) - 2;  // -2 ... 2 ulps
+  const int moves = static_cast<int>(float_bits(m) % 129u) - 64;  // -64 ... 64 ulps
   for (int i = 0; i < (moves < 0 ? -moves : moves); ++i) {
     r = nextafterf(r, moves < 0 ? 0.0f : 2.0f);
   }
