@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import functools
 import operator
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, NoReturn
 
 from normlab import arrays, layout
 from normlab.dispatch import Choice
@@ -38,7 +39,28 @@ from normlab.registry import Backend
 from normlab.spec import Call
 from normlab.spec.aliasing import Aliasing, output_aliasing
 
-__all__ = ["Route", "copy_reason", "describe", "kernel_failure", "route", "run"]
+__all__ = [
+    "Route",
+    "copy_reason",
+    "describe",
+    "kernel_failure",
+    "passes_through",
+    "reraise",
+    "route",
+    "run",
+]
+
+#: torch's exceptions that steer its own machinery through a call, raised from a hook or mode
+#: while a backend runs (non-reentrant activation checkpointing stops the recomputation from a
+#: saved-tensor hook; fake tensors and symbolic shapes stop at a value they cannot know): they
+#: pass through normlab unwrapped, by (module, class name), looked up only where torch loaded
+#: the module.
+_TORCH_CONTROL_FLOW: Final = (
+    ("torch.utils.checkpoint", "_StopRecomputationError"),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+    ("torch.fx.experimental.symbolic_shapes", "GuardOnDataDependentSymNode"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,10 +238,8 @@ def run(call: Call, choice: Choice, args: tuple[Any, ...]) -> Any:
                     )
                 )
         return _run(call, r or route(call, choice), args)
-    except NormlabError:
-        raise
     except (Exception, SystemExit) as exc:  # a kernel's sys.exit() must not end the caller
-        raise kernel_failure(choice.backend, call.plan.op, exc) from exc
+        reraise(choice.backend, call.plan.op, exc)
 
 
 def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendError:
@@ -228,6 +248,25 @@ def kernel_failure(backend: Backend, op: str, exc: BaseException) -> BackendErro
         f"backend {backend.name!r} (from {backend.provided_by}) failed in {op}: "
         f"{type(exc).__name__}: {exc}"
     )
+
+
+def reraise(backend: Backend, op: str, exc: BaseException) -> NoReturn:
+    """Raise what a caller sees when ``backend``'s ``op`` raised ``exc``: ``exc`` itself when
+    it is a NormlabError or passes through (:func:`passes_through`), else
+    :func:`kernel_failure`."""
+    if isinstance(exc, NormlabError) or passes_through(exc):
+        raise exc
+    raise kernel_failure(backend, op, exc) from exc
+
+
+def passes_through(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of torch's control-flow exceptions (:data:`_TORCH_CONTROL_FLOW`),
+    which the machinery that raised it catches again: normlab re-raises it as it is."""
+    for module, name in _TORCH_CONTROL_FLOW:
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(exc, kind):
+            return True
+    return False
 
 
 def _inputs(op: Op, args: tuple[Any, ...]) -> dict[str, Any]:

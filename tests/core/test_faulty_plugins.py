@@ -10,6 +10,7 @@ keep giving the reference result.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -442,3 +443,33 @@ def test_a_plugin_name_registered_twice_names_both_sources() -> None:
             normlab.register_plugin(second, name="twice-plugin")
     finally:
         normlab.unregister_plugin("twice-plugin")
+
+
+#: torch's exceptions that steer its machinery (raised from a hook or mode while a kernel runs).
+TORCH_CONTROL_FLOW: Final = (
+    ("torch.utils.checkpoint", "_StopRecomputationError", ()),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException", ("func",)),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException", ("func",)),
+    ("torch.fx.experimental.symbolic_shapes", "GuardOnDataDependentSymNode", ("cond",)),
+)
+
+
+@pytest.mark.usefixtures("kernel_raises")
+@pytest.mark.parametrize(("module", "name", "fields"), TORCH_CONTROL_FLOW)
+def test_torchs_control_flow_exceptions_pass_through(
+    monkeypatch: pytest.MonkeyPatch, module: str, name: str, fields: tuple[str, ...]
+) -> None:
+    """An exception torch raises to steer its own machinery through a kernel (non-reentrant
+    checkpointing stops its recomputation with one) reaches the caller as it is, not as a
+    BackendError: torch catches it again."""
+    pytest.importorskip("torch")
+    kind = getattr(importlib.import_module(module), name)
+    raised = kind(*(None for _ in fields))
+
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        raise raised
+
+    monkeypatch.setattr(faulty_plugins, "layer_norm", raising)
+    with pytest.raises(kind) as info:
+        normlab.layer_norm(np.ones((3, 5), np.float32), backend="faulty_kernel")
+    assert info.value is raised

@@ -205,3 +205,42 @@ def test_each_class_of_the_table(name: str, x_dtype: str, weight_dtype: str) -> 
     assert (diff <= 2 * unit * want.double().abs() + 1e-6).all()
     if want.dtype != torch.float32:
         assert (got != want).double().mean() < 0.02
+
+
+#: Models a training set-up checkpoints, each norm's class among them (BERT's LayerNorm, Gemma
+#: 3's offset RMSNorm, OLMo-2's RMSNorm in its own order, Llama's), with a loss of their own.
+_TRAINED: dict[str, Any] = {
+    "bert": lambda: transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=128,
+        )
+    ),
+    "gemma3": lambda: _decoder("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": lambda: _decoder("Olmo2Config", "Olmo2ForCausalLM"),
+    "llama": lambda: _decoder("LlamaConfig", "LlamaForCausalLM"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("name", sorted(_TRAINED))
+def test_gradient_checkpointing(name: str, reentrant: bool) -> None:
+    """``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable`` before
+    transformers 5) after replace_norms: transformers checkpoints each layer, non-reentrant by
+    default, and a layer's last op may be a norm. The loss's gradients are bitwise those of the
+    same model without checkpointing."""
+    torch.manual_seed(0)
+    model = nt.replace_norms(_TRAINED[name]().train())
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(5))
+
+    def gradients() -> list[Any]:
+        model.zero_grad()
+        with torch.random.fork_rng():
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = gradients()
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    got = gradients()
+    assert len(got) == len(want)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
