@@ -15,6 +15,7 @@ from normlab import (
     casting,
     composition,
     dispatch,
+    dynamo,
     parameters,
     registry,
     residual_stream,
@@ -66,8 +67,22 @@ def run(op: str, *args: Any, backend: str | None = None, **kwargs: Any) -> Any:
 
 
 def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
-    """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run.
-    A call the core reshapes first goes through :func:`_reshaped`."""
+    """A call of ``op`` with ``args`` (its arguments in table order): validate, choose, run;
+    while torch's compiler traces it, one node of its graph (:func:`_in_graph`)."""
+    if dynamo.traces():
+        return _in_graph(op.name, args, named)
+    return _validated_run(op, args, named)
+
+
+@dynamo.register_node
+def _in_graph(op: str, args: tuple[Any, ...], named: str | None) -> Any:
+    """A call of the op named ``op`` as one node of a ``torch.compile`` graph
+    (:mod:`normlab.dynamo`): dynamo does not trace it; it runs as outside a trace."""
+    return _validated_run(OPS[op], args, named)
+
+
+def _validated_run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
+    """:func:`_run` of a call: a call the core reshapes first goes through :func:`_reshaped`."""
     call = spec.validated(op, args)
     if call.reshaped:
         return _reshaped(op, call, args, named)

@@ -296,20 +296,24 @@ class TorchInspector(Inspector):
             requires_grad=bool(x.requires_grad),
         )
 
-    def address(self, x: Any) -> int:
-        return int(x.data_ptr())
+    def address(self, x: Any) -> int | None:
+        try:
+            return int(x.data_ptr())
+        except RuntimeError:  # a fake or functional tensor (a trace's): no memory of its own
+            return None
 
-    def memory(self, x: Any) -> Memory:
+    def memory(self, x: Any) -> Memory | None:
+        address = self.address(x)
+        if address is None:
+            return None
         size = x.element_size()
-        return Memory(x.data_ptr(), tuple(x.shape), tuple(s * size for s in x.stride()), size)
+        return Memory(address, tuple(x.shape), tuple(s * size for s in x.stride()), size)
 
     def extent(self, x: Any) -> tuple[int, int] | None:
         if x.is_contiguous():  # without the layout: the common case of out= costs less
             n = x.numel()
-            if n == 0:
-                return None
-            start = x.data_ptr()
-            return start, start + n * x.element_size()
+            start = self.address(x) if n else None
+            return None if start is None else (start, start + n * x.element_size())
         return super().extent(x)
 
     def permute(self, a: Any, order: tuple[int, ...]) -> Any:
