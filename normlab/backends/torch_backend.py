@@ -37,7 +37,7 @@ from typing import Any, Final
 import numpy as np
 import torch
 
-from normlab.constants import MACHINE_EPS, ROW_CHUNK
+from normlab.constants import MACHINE_EPS, ROW_CHUNK, stats_dtype_for
 from normlab.hookspecs import Plan
 
 __all__ = [
@@ -98,11 +98,11 @@ def layer_norm(
         # torch's CPU backward of half x with float32 parameters sums dweight and dbias in the
         # half dtype (errors near 1% of their scale): normalize in float32, round y once
         x = x.float()
-    half_grads = on_cpu and _half_parameter_grads(x, weight, bias)
+    chunked = on_cpu and _parameter_grads(weight, bias)
 
     def native(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if half_grads:
-            return _HalfParameters.apply(rows, weight, bias, plan)  # type: ignore[no-untyped-call,no-any-return]
+        if chunked:
+            return _ChunkedParameterGradients.apply(rows, weight, bias, plan)  # type: ignore[no-untyped-call,no-any-return]
         return torch.native_layer_norm(rows, shape, weight, bias, plan.eps)
 
     y, mean, rstd = native(x)
@@ -116,8 +116,9 @@ def layer_norm(
             mean, rstd = mean.reshape(plan.rows), rstd.reshape(plan.rows)
             if y.requires_grad:  # y's graph runs through the bad rows' inf/NaN: rebuild it
                 good = _indices(bad.logical_not())
-                kept = native(x[good])[0]
-                y = torch.zeros_like(y).index_put((good,), kept)
+                y = torch.zeros_like(y)
+                if good.numel():  # every row bad: y is the repaired rows alone
+                    y = y.index_put((good,), native(x[good])[0])
             y, (mean, rstd) = _repair(x, weight, bias, plan, _indices(bad), y, (mean, rstd))
     if x is not given:
         y = y.to(given.dtype)
@@ -133,27 +134,25 @@ def _mixed(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
     )
 
 
-def _half_parameter_grads(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> bool:
-    """Half-precision ``x`` whose half-precision weight or bias requires grad (in grad mode)."""
-    return (
-        x.dtype in (torch.float16, torch.bfloat16)
-        and torch.is_grad_enabled()
-        and any(p is not None and p.requires_grad for p in (weight, bias))
+def _parameter_grads(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """A weight or bias that requires grad (in grad mode)."""
+    return torch.is_grad_enabled() and any(
+        p is not None and p.requires_grad for p in (weight, bias)
     )
 
 
-class _HalfParameters(torch.autograd.Function):
-    """``torch.native_layer_norm`` of half x with half parameters, whose gradients sum in float32.
+class _ChunkedParameterGradients(torch.autograd.Function):
+    """``torch.native_layer_norm`` on CPU whose parameter gradients sum in fixed chunks.
 
-    torch's CPU backward sums dweight and dbias in the half dtype (a bfloat16 sum stalls once
-    it is 256 times its terms: 4096 rows of ones give ``dbias == 512``) and takes dx from the
+    torch's CPU backward sums dweight and dbias over rows split by the thread count (their last
+    bits change with ``torch.set_num_threads``; the contract promises thread-count determinism),
+    for half parameters in the half dtype (a bfloat16 sum stalls once it is 256 times its
+    terms: 4096 rows of ones give ``dbias == 512``), and for half x takes dx from the
     statistics rounded to the half dtype (rows of a large mean relative to their spread lose
     every digit). Here the forward is torch's own call (the same bits as without grad) and the
-    backward is :func:`_backward` from float32 statistics: dx rounded once to x's dtype,
-    dweight and dbias float32 chunk sums rounded once into the parameter's dtype. It is made of
-    torch operations: differentiable again.
+    backward is :func:`_backward` from the statistics in the compute dtype: dx rounded once to
+    x's dtype, dweight and dbias chunk sums in the compute dtype rounded once into the
+    parameter's dtype. It is made of torch operations: differentiable again.
     """
 
     @staticmethod
@@ -166,7 +165,7 @@ class _HalfParameters(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         x, weight, bias, plan = inputs
         _, mean, rstd = output
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.plan = plan
         ctx.mark_non_differentiable(mean, rstd)
 
@@ -174,20 +173,28 @@ class _HalfParameters(torch.autograd.Function):
     def backward(
         ctx: Any, dy: torch.Tensor, _dmean: Any, _drstd: Any
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors
         plan: Plan = ctx.plan
         wanted = zip(("x", "weight", "bias"), ctx.needs_input_grad, strict=False)
         needs = frozenset(name for name, wants in wanted if wants)
-        with torch.no_grad():  # the statistics in float32 (torch returns them rounded to x's)
-            var, mean = torch.var_mean(x.detach().float(), dim=1, correction=0)
-            rstd = torch.rsqrt(var.double() + plan.eps).float()
-        dx, dweight, dbias = _backward(dy, x, mean, rstd, weight, plan, needs)
+        compute = _TORCH_DTYPES[stats_dtype_for(_dtype_name(x))]
+        if mean.dtype != compute:  # torch returned them rounded to x's half dtype: again
+            with torch.no_grad():
+                var, mean = torch.var_mean(x.detach().float(), dim=1, correction=0)
+                rstd = torch.rsqrt(var.double() + plan.eps).float()
+        dx, dweight, dbias = _backward(
+            dy, x, mean.reshape(-1), rstd.reshape(-1), weight, plan, needs
+        )
         return (
             dx,
             None if dweight is None or weight is None else dweight.to(weight.dtype),
             None if dbias is None or bias is None else dbias.to(bias.dtype),
             None,
         )
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def rms_norm(
@@ -582,7 +589,10 @@ def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
 
 def _pairwise_sum(sums: torch.Tensor) -> torch.Tensor:
     """The sum of the rows of ``sums`` (the chunk sums), in its dtype: pairwise in float64 (the
-    first half added to the second half, an odd middle row carried along, until one is left)."""
+    first half added to the second half, an odd middle row carried along, until one is left);
+    zeros for no rows (an empty batch)."""
+    if sums.shape[0] == 0:
+        return sums.new_zeros(sums.shape[1:])
     total = sums.to(torch.float64)
     while total.shape[0] > 1:
         n, half = total.shape[0], total.shape[0] // 2

@@ -71,6 +71,9 @@ VALUES: Final = (
     "nan_inf",  # normal, with a NaN in row 1, +inf in row 2, -inf in row 3
     "subnormal",  # normal scaled to half the dtype's smallest normal: mostly subnormal values
     "dtype_max",  # both signs, magnitudes a quarter to a half of the dtype's max: sums overflow
+    "unit_uniform",  # uniform in [0, 1) (Transformer Engine's test inputs): with eps 0.3 eps
+    # dominates every row's variance
+    "some_constant",  # normal, every other row one value (its own)
 )
 
 #: Poisoned rows of the ``"nan_inf"`` values: row -> the value put in it.
@@ -102,6 +105,12 @@ def _values(kind: str, rows: int, cols: int, rng: np.random.Generator, dtype: st
         return rng.integers(-4, 5, shape).astype(np.float64)
     if kind == "constant":
         return np.repeat(rng.uniform(-50.0, 50.0, (rows, 1)), cols, axis=1)
+    if kind == "unit_uniform":
+        return rng.uniform(0.0, 1.0, shape)
+    if kind == "some_constant":
+        x = rng.standard_normal(shape)
+        x[1::2] = rng.uniform(-50.0, 50.0, (rows // 2, 1))
+        return x
     if kind == "zeros":
         return np.zeros(shape)
     if kind == "near_max":

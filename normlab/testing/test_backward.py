@@ -11,6 +11,7 @@ no input is modified (:meth:`~normlab.testing.backward_cases.BackwardCase.run`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -191,6 +192,73 @@ def _check_autograd(s: Subject, forward: Case) -> None:
     case.compare(grads, backend=s.name)
 
 
+#: The forward ops a training region ends with, fused ones included.
+CHECKPOINTED_OPS: Final = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+
+
+@pytest.mark.parametrize("last", [True, False], ids=["norm-last", "norm-inside"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", CHECKPOINTED_OPS)
+def test_activation_checkpointing(
+    normlab_subject: Subject, op: str, dtype: str, reentrant: bool, last: bool
+) -> None:
+    """A region ``x * 1.5 -> op`` (the norm its last op, or followed by another) under
+    ``torch.utils.checkpoint`` (reentrant and not: torch stops a non-reentrant recomputation
+    by raising through the norm's saved-tensor hooks) gives the gradients of x and the
+    parameters bitwise as without checkpointing."""
+    s = normlab_subject
+    if s.family != "torch":
+        pytest.skip(f"activation checkpointing is torch's; {s.name!r} is tested with {s.family}")
+    s.require_dtype(dtype)
+    if op.startswith("add_"):
+        s.require_fused(op)
+    else:
+        s.require_op(op)
+    s.require_graph(op.removeprefix("add_"))
+    import torch.utils.checkpoint
+
+    rng = np.random.default_rng(28)
+    given = {
+        "x": rng.standard_normal((6, 96)).astype(numpy_dtype(dtype)),
+        "residual": rng.standard_normal((6, 96)).astype(numpy_dtype(dtype)),
+        "weight": rng.standard_normal(96).astype(np.float32),
+        "bias": rng.standard_normal(96).astype(np.float32),
+    }
+    fused, centred = op.startswith("add_"), "layer" in op
+
+    def gradients(checkpointed: bool) -> dict[str, np.ndarray]:
+        leaves = {
+            name: s.from_numpy(a).requires_grad_()
+            for name, a in given.items()
+            if (fused or name != "residual") and (centred or name != "bias")
+        }
+        rest = {name: t for name, t in leaves.items() if name != "x"}
+
+        def region(x: Any) -> Any:
+            inputs = [x * 1.5, *([rest["residual"]] if fused else [])]
+            params = {name: t for name, t in rest.items() if name != "residual"}
+            y = getattr(normlab, op)(*inputs, **params, backend=s.backend)
+            y = y[0] if fused else y
+            return y if last else y * 2.0
+
+        x = leaves["x"]
+        if checkpointed:
+            out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant)
+        else:
+            out = region(x)
+        out.float().square().sum().backward()
+        return {name: s.to_numpy(t.grad) for name, t in leaves.items()}
+
+    want, got = gradients(False), gradients(True)
+    for name in want:
+        assert same_bits(got[name], want[name]), (
+            f"d{name} under checkpointing (use_reentrant={reentrant}) differs from without\n"
+            f"reproduce: normlab.{op} on 6x96 {dtype} rows, backend={s.backend!r}, "
+            "inside torch.utils.checkpoint.checkpoint"
+        )
+
+
 #: Rows of the half-precision parameter-gradient cases: a float16 or bfloat16 running sum of
 #: terms near 1 stops growing long before this (bfloat16 adds nothing to 256, float16 nothing
 #: to 2048); Transformer Engine's and Liger's tests have this many tokens.
@@ -226,6 +294,56 @@ def test_half_parameter_gradients_sum_in_float32(
         seed=26,
         weight=weight,
         bias=weight if op == "layer_norm" else None,
+        op=op,
+    )
+    if route == "backward op":
+        BackwardCase(forward).check(s.name)
+    else:
+        _check_autograd(s, forward)
+
+
+#: Half-precision batches whose rows are constant or eps-dominated, every row of the call or
+#: some: the values kind and eps of each named case. A backend that repairs such rows after
+#: torch's kernels (rstd beyond 0.5/sqrt(eps)) must carry the gradients through the repair,
+#: also when no row is left to torch (Transformer Engine's inputs: uniform [0, 1), eps 0.3).
+CONSTANT_ROWS: Final = {
+    "every-row-zeros": ("zeros", 1e-5),
+    "every-row-constant": ("constant", 1e-5),
+    "every-row-eps-dominated": ("unit_uniform", 0.3),
+    "some-rows-constant": ("some_constant", 1e-5),
+}
+
+
+@pytest.mark.parametrize("route", ["backward op", "autograd"])
+@pytest.mark.parametrize("rows", CONSTANT_ROWS)
+@pytest.mark.parametrize("param", ["x's dtype", "float32"])
+@pytest.mark.parametrize("dtype", sorted(HALF_DTYPES))
+@pytest.mark.parametrize("op", OPS)
+def test_half_backward_of_constant_rows(
+    normlab_subject: Subject, op: str, dtype: str, param: str, rows: str, route: str
+) -> None:
+    """float16/bfloat16 rows that are constant or whose variance eps dominates, in every row
+    or in some: dx, dweight and dbias against the float64 oracle, through the backward op and
+    through torch autograd of the forward (parameters in x's dtype or float32)."""
+    s = normlab_subject
+    s.require_dtype(dtype)
+    if route == "backward op":
+        _require(s, op)
+    else:
+        s.require_op(op)
+        s.require_graph(op)
+        if s.family != "torch":
+            pytest.skip(f"autograd records torch tensors; {s.name!r} is tested with {s.family}")
+    values, eps = CONSTANT_ROWS[rows]
+    weight = dtype if param == "x's dtype" else "float32"
+    forward = Case(
+        (8, 768),
+        dtype,
+        values,
+        seed=27,
+        weight=weight,
+        bias=weight if op == "layer_norm" else None,
+        eps=eps,
         op=op,
     )
     if route == "backward op":
@@ -440,6 +558,48 @@ def test_backward_thread_counts(
     assert not differ, (
         f"with {library} threads {differ} (compared with {counts[0]}) the gradients differ\n"
         f"{case.snippet(normlab_subject.name)}"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_autograd_thread_counts(normlab_subject: Subject, op: str, dtype: str) -> None:
+    """Through torch autograd of the forward (the route training takes), x, weight and bias
+    requiring grad: the parameter gradients (and dx) are the same bits with 1, 2 or 3 torch
+    threads and numba's counts, the default choice included: torch's own CPU backward splits
+    its column sums by the thread count."""
+    s = normlab_subject
+    if s.family != "torch":
+        pytest.skip(f"autograd records torch tensors; {s.name!r} is tested with {s.family}")
+    s.require_op(op)
+    s.require_dtype(dtype)
+    s.require_graph(op)
+    knobs = [THREAD_KNOBS[name]() for name in THREAD_KNOBS if importlib.util.find_spec(name)]
+    forward = Case(
+        (1000, 160),
+        dtype,
+        "normal",
+        seed=29,
+        weight=dtype,
+        bias=dtype if op == "layer_norm" else None,
+        op=op,
+    )
+    case = BackwardCase(forward)
+    runs = {}
+    for n in (1, 2, 3, 1):
+        for get, set_, counts in knobs:
+            set_(min(n, max(counts)))
+        x, kwargs = forward.inputs(s.name)
+        leaves = {"x": x.requires_grad_()}
+        leaves.update({k: kwargs[k].requires_grad_() for k in ("weight", "bias") if k in kwargs})
+        y = forward.call(x, **kwargs, backend=s.backend)
+        y.backward(s.from_numpy(case.numpy_inputs()[1]))
+        runs[n] = {name: s.to_numpy(leaf.grad).tobytes() for name, leaf in leaves.items()}
+    for get, set_, counts in knobs:
+        set_(max(counts))
+    differ = sorted({k for run in runs.values() for k in run if run[k] != runs[1][k]})
+    assert not differ, (
+        f"the gradients of {differ} change with the thread count\n{case.snippet(s.name)}"
     )
 
 
