@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import warnings
 from pathlib import Path
 from typing import Any, Final, NamedTuple
@@ -27,6 +26,7 @@ from normlab.constants import ITEMSIZE
 from normlab.errors import NormlabWarning
 from normlab.hookspecs import CostModel, Plan, cost_table
 from normlab.registry import Backend
+from normlab.scalars import finite_float
 
 __all__ = [
     "CALIBRATION_FILE",
@@ -156,14 +156,7 @@ def _through_graph(data: Any) -> float | None:
     value = data.get("through_graph_us")
     if value is None:
         return None
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    try:
-        finite = number and math.isfinite(float(value))
-    except OverflowError:  # an int too large for a float (a hand-edited file)
-        finite = False
-    if not (finite and value >= 0):
-        raise ValueError(f"through_graph_us must be a finite number >= 0, got {value!r}")
-    return float(value)
+    return finite_float("through_graph_us", value, "finite and >= 0", at_least=0.0)
 
 
 def reload() -> None:

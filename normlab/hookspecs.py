@@ -108,6 +108,9 @@ from typing import Any, Final
 
 import pluggy
 
+from normlab.errors import ArgumentError
+from normlab.scalars import finite_float, shown
+
 __all__ = [
     "ARRAY_API",
     "CAPABILITIES",
@@ -293,8 +296,9 @@ def _interpolated_us(points: tuple[tuple[float, float], ...], x_bytes: float) ->
 def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
     """Cost models from their JSON form, ``{"backends": {name: {op: {"fixed_us": f,
     "bytes_per_us": {dtype: rate}, "measured": {dtype: [[x_bytes, us], ...]}}}}}`` (measured
-    optional) → ``{name: {op: CostModel}}``; ValueError naming what is malformed (every number
-    finite and >= 0, every rate, size and time > 0, sizes increasing)."""
+    optional) → ``{name: {op: CostModel}}``; ArgumentError (a ValueError) naming what is
+    malformed (every number finite and >= 0, every rate, size and time > 0, sizes
+    increasing)."""
     try:
         table = {
             name: {
@@ -303,46 +307,47 @@ def cost_table(data: Any) -> dict[str, dict[str, CostModel]]:
             }
             for name, ops in data["backends"].items()
         }
+    except ArgumentError:
+        raise
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"not a cost table: {type(exc).__name__}: {exc}") from None
+        raise ArgumentError(f"not a cost table: {type(exc).__name__}: {exc}") from None
     return table
 
 
 def _cost_model(fixed_us: Any, rates: Any, measured: Any) -> CostModel:
-    numbers = [fixed_us, *rates.values()]
-    if not all(_finite(v) and v >= 0 for v in numbers):
-        raise ValueError(f"costs must be finite numbers >= 0, got {fixed_us!r}, {rates!r}")
-    if any(r == 0 for r in rates.values()):
-        raise ValueError(f"a rate of 0 bytes per microsecond: {rates!r}")
+    fixed = _cost("fixed_us", fixed_us, positive=False)
+    speeds = {str(k): _cost(f"bytes_per_us[{k!r}]", v, positive=True) for k, v in rates.items()}
     return CostModel(
-        float(fixed_us),
-        {str(k): float(v) for k, v in rates.items()},
+        fixed,
+        speeds,
         {str(dtype): _measured_points(dtype, p) for dtype, p in measured.items()},
     )
 
 
 def _measured_points(dtype: Any, points: Any) -> tuple[tuple[float, float], ...]:
-    """``points`` as ``(x_bytes, us)`` float pairs; ValueError unless each is two finite numbers
-    > 0 and the sizes increase."""
+    """``points`` as ``(x_bytes, us)`` float pairs; ArgumentError (a ValueError) unless each is
+    two finite numbers > 0 and the sizes increase."""
     pairs = tuple(tuple(pair) for pair in points)
-    if not all(len(pair) == 2 and all(_finite(v) and v > 0 for v in pair) for pair in pairs) or any(
-        a[0] >= b[0] for a, b in itertools.pairwise(pairs)
-    ):
-        raise ValueError(
-            f"measured {dtype}: (x_bytes, us) pairs of finite numbers > 0, sizes increasing, "
-            f"got {points!r}"
-        )
-    return tuple((float(size), float(us)) for size, us in pairs)
+    rule = "(x_bytes, us) pairs of finite numbers > 0, sizes increasing"
+    if any(len(pair) != 2 for pair in pairs):
+        raise ArgumentError(f"measured {dtype}: {rule}, got {shown(points)}")
+    floats = tuple(
+        (_cost(f"measured {dtype}", size, True), _cost(f"measured {dtype}", us, True))
+        for size, us in pairs
+    )
+    if any(a[0] >= b[0] for a, b in itertools.pairwise(floats)):
+        raise ArgumentError(f"measured {dtype}: {rule}, got {shown(points)}")
+    return floats
 
 
-def _finite(v: Any) -> bool:
-    """Whether ``v`` is an int or float of a finite float value (a 400-digit int is not)."""
-    if type(v) not in (int, float):
-        return False
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:
-        return False
+def _cost(name: str, value: Any, positive: bool) -> float:
+    """A number of a cost table as a float: finite and >= 0 (> 0 if ``positive``); else an
+    ArgumentError (a ValueError) naming it (:func:`normlab.scalars.finite_float`)."""
+    rule = "finite and > 0" if positive else "finite and >= 0"
+    number = finite_float(name, value, rule, at_least=0.0)
+    if positive and number == 0:
+        raise ArgumentError(f"{name} must be {rule}, got {shown(value)}")
+    return number
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from normlab import (
     registry,
     torch_ops,  # noqa: F401  (registers the custom ops with torch)
 )
+from normlab.scalars import finite_float
 from normlab.spec.casting import CASTINGS
 
 __all__ = [
@@ -145,17 +146,21 @@ def _allow_nodes_in_graph() -> None:
         torch.compiler.allow_in_graph(node)  # type: ignore[no-untyped-call]
 
 
-def _configure(module: Any, backend: str | None, weight_offset: float) -> None:
-    """The normlab options of a module built by torch's constructor: the backend (checked by
-    name) and the weight offset (which needs a weight; the weight is initialized again for it)."""
+def _configure(module: Any, backend: str | None, weight_offset: Any) -> None:
+    """The normlab options of a module built by torch's constructor: its eps checked as the
+    functions check it, the backend (checked by name) and the weight offset (a finite number,
+    which needs a weight; the weight is initialized again for it)."""
+    if module.eps is not None:
+        finite_float("eps", module.eps, "finite and >= 0", at_least=0.0)
     if backend is not None:
         registry.get(backend)
-    if weight_offset and module.weight is None:
+    offset = finite_float("weight_offset", weight_offset, "finite")
+    if offset and module.weight is None:
         raise normlab.ArgumentError(
             f"weight_offset={weight_offset!r} needs a weight: elementwise_affine=False has none"
         )
     module.backend = backend
-    module.weight_offset = float(weight_offset)
+    module.weight_offset = offset
     _offset_initialization(module)
     _allow_nodes_in_graph()
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import numbers
 import struct
 from typing import Any, Final
 
 from normlab.errors import ArgumentError, ArgumentTypeError, DtypeError
+from normlab.scalars import finite_float
 
 __all__ = ["LIMITS", "MODES", "check_family", "mode", "q_dtype", "static_scale"]
 
@@ -85,11 +85,9 @@ def static_scale(value: Any, quantize: str | None) -> float | None:
             f"quantize_scale={value!r} was given without quantize=; name the mode "
             f"({', '.join(MODES)})"
         )
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"quantize_scale must be a real number > 0, got {value!r}")
-    scale = float(value)
+    scale = finite_float("quantize_scale", value, "finite and > 0")
     as_float32 = _as_float32(scale)
-    if not math.isfinite(scale) or not math.isfinite(as_float32) or as_float32 <= 0.0:
+    if not math.isfinite(as_float32) or as_float32 <= 0.0:
         raise ArgumentError(f"quantize_scale must be finite and > 0 as a float32, got {value!r}")
     return as_float32
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import operator
 from collections.abc import Sequence
 from typing import Any, Final, cast
@@ -36,6 +35,7 @@ from normlab.errors import (
 )
 from normlab.hookspecs import Plan
 from normlab.ops import Op
+from normlab.scalars import finite_float
 from normlab.spec.aliasing import overlaps_itself
 from normlab.spec.call import Call
 from normlab.spec.casting import CASTINGS
@@ -330,14 +330,7 @@ def _weight_offset(op: Op, offset: Any, weight: Any) -> float:
     number, nonzero only with a weight; 0 for an op without one."""
     if "weight_offset" not in op.index:
         return 0.0
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
-        raise ArgumentTypeError(
-            f"weight_offset must be a real number (the weight is used as weight_offset + "
-            f"weight), got {offset!r}"
-        )
-    value = float(offset)
-    if not math.isfinite(value):
-        raise ArgumentError(f"weight_offset must be finite, got {offset!r}")
+    value = finite_float("weight_offset", offset, "finite")
     if value and weight is None:
         raise ArgumentError(
             f"weight_offset={offset!r} was given without a weight: the offset is added to the "
@@ -404,15 +397,7 @@ def eps_value(eps: Any) -> Any:
 
 
 def _check_eps(eps: Any) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise ArgumentTypeError(f"eps must be a finite number >= 0, got {eps!r}")
-    try:
-        value = float(eps)
-    except OverflowError:
-        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ArgumentError(f"eps must be a finite number >= 0, got {eps!r}")
-    return value
+    return finite_float("eps", eps, "finite and >= 0", at_least=0.0)
 
 
 def _as_int_tuple(name: str, value: Any) -> tuple[int, ...]:

@@ -345,7 +345,7 @@ def test_a_malformed_custom_op_cost_is_ignored_with_a_warning(
     own_calibration.parent.mkdir(parents=True)
     own_calibration.write_text(json.dumps({"backends": {}, "through_graph_us": value}))
     costs.reload()
-    with pytest.warns(normlab.NormlabWarning, match="through_graph_us must be a finite number"):
+    with pytest.warns(normlab.NormlabWarning, match="through_graph_us must be"):
         assert costs.through_graph_us() == costs.THROUGH_GRAPH_US
 
 

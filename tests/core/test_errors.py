@@ -271,8 +271,8 @@ def _flat(entry: Any) -> list[Any]:
     [
         (torch.tensor(1e-3, requires_grad=True), r"requires grad.*eps\.item\(\)"),
         (np.array([1e-3, 1e-3]), r"shape \(2,\).*one number"),
-        (torch.tensor(True), "finite number"),
-        (np.array(-1.0), "finite number >= 0"),
+        (torch.tensor(True), "eps must be a real number"),
+        (np.array(-1.0), "eps must be finite and >= 0"),
     ],
     ids=["requires-grad", "two-elements", "bool", "negative"],
 )

@@ -19,7 +19,12 @@ from tests.support.paths import ROOT
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 #: What the backends may import besides ``normlab.backends.*``.
-BACKENDS_MAY_IMPORT = {"normlab.errors", "normlab.hookspecs", "normlab.constants"}
+BACKENDS_MAY_IMPORT = {
+    "normlab.errors",
+    "normlab.scalars",
+    "normlab.hookspecs",
+    "normlab.constants",
+}
 
 
 def _contracts() -> dict[str, Any]:
