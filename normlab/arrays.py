@@ -35,6 +35,7 @@ __all__ = [
     "comparable_devices",
     "contiguous",
     "copy_into",
+    "detach",
     "family_of",
     "forget_inspectors",
     "info",
@@ -202,6 +203,11 @@ class Inspector:
         """``a`` converted to ``dtype`` (a dtype object of the library; ``a`` when it has it)."""
         return a.astype(dtype)
 
+    def detach(self, a: Any) -> Any:
+        """``a``'s values without its autograd history (``a`` itself in a library without
+        one)."""
+        return a
+
 
 def _device_kind(device: str) -> str:
     lowered = device.lower()
@@ -333,6 +339,9 @@ class TorchInspector(Inspector):
 
     def astype(self, a: Any, dtype: Any) -> Any:
         return a.to(dtype)
+
+    def detach(self, a: Any) -> Any:
+        return a.detach()
 
 
 class CupyInspector(Inspector):
@@ -594,6 +603,11 @@ def mark_written(a: Any) -> None:
 def astype(a: Any, dtype: Any) -> Any:
     """``a`` converted to ``dtype``; see :meth:`Inspector.astype`."""
     return _of(a).astype(a, dtype)
+
+
+def detach(a: Any) -> Any:
+    """``a`` without its autograd history; see :meth:`Inspector.detach`."""
+    return _of(a).detach(a)
 
 
 def info(x: Any) -> ArrayInfo:

@@ -23,18 +23,22 @@ step is per row: a row's bits do not depend on its batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import array_api_compat
 
-from normlab import arrays, parameters, residual_stream
+from normlab import arrays, parameters, residual_stream, route
 from normlab.dispatch import Choice
 from normlab.ops import OPS, Op
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
+from normlab.spec.casting import promoted
 from normlab.spec.quantize import LIMITS, q_dtype
 
 __all__ = ["e4m3_bits", "native", "q_dtype_of", "reference", "run"]
@@ -136,8 +140,14 @@ def _composed(
     base = OPS[op.base] if op.base is not None else op
     float32 = _library_dtype(x, "float32")
     widened = {**given}
-    if call.casting == "llama":  # x̂ rounded to x's dtype, multiplied in float32
-        widened["weight"] = arrays.astype(given["weight"], float32)
+    if plan.requires_grad:  # q and scale are not differentiable: y is formed outside the graph
+        source = arrays.detach(source)
+        for name in op.per_feature:
+            if given[name] is not None:
+                widened[name] = arrays.detach(given[name])
+    weight = widened["weight"]
+    if call.casting == "llama":  # x̂ alone (the weight multiplies it below)
+        widened.update(weight=None, casting="exact")
     elif arrays.info(source).dtype != "float64":
         source = arrays.astype(source, float32)
     stats_out = tuple(outs.get(name) for name in op.stats_outputs)
@@ -157,10 +167,24 @@ def _composed(
     }
     result = base_run(base, tuple(base_given[name] for name in base.arguments))
     y, stats = (result[0], tuple(result[1:])) if plan.return_stats else (result, ())
-    if arrays.info(y).dtype != "float32":
-        y = arrays.astype(y, float32)
-    q, scale = reference(y, call.quantize or "", call.quantize_scale, plan.axes)
+    with _silently(y):  # a float64 y beyond float32's range rounds to inf, as natively
+        if call.casting == "llama":
+            y = _llama_product(y, weight, x, plan)
+        if arrays.info(y).dtype != "float32":
+            y = arrays.astype(y, float32)
+        q, scale = _quantized(y, call.quantize or "", call.quantize_scale, plan.axes)
     return q, scale, h, stats
+
+
+def _llama_product(xhat: Any, weight: Any, x: Any, plan: Any) -> Any:
+    """y of ``casting="llama"`` before its quantizer: ``xhat`` (of a float32 stream's h too)
+    rounded to x's dtype, times the weight in the promotion of both and float32, unrounded."""
+    if arrays.info(xhat).dtype != plan.dtype:
+        xhat = arrays.astype(xhat, x.dtype)
+    product = _library_dtype(x, promoted(promoted(plan.dtype, plan.weight_dtype), "float32"))
+    # the weight over x's axes: its own on the normalized ones (sorted, as its shape), 1 elsewhere
+    spread = tuple(n if a in plan.axes else 1 for a, n in enumerate(plan.shape))
+    return arrays.astype(xhat, product) * arrays.reshape(arrays.astype(weight, product), spread)
 
 
 def _native(
@@ -183,14 +207,17 @@ def _native(
             residual = arrays.reshape(residual, rows)
             given_h = None if given_h is None else arrays.reshape(given_h, rows)
     bias = args[index["bias"]] if "bias" in index else None
-    q, scale, h = choice.backend.function("quantized")(
-        arrays.reshape(x, rows) if as_rows else x,
-        residual,
-        args[index["weight"]],
-        bias,
-        plan=quantized_plan,
-        residual_out=given_h,
-    )
+    try:
+        q, scale, h = choice.backend.function("quantized")(
+            arrays.reshape(x, rows) if as_rows else x,
+            residual,
+            args[index["weight"]],
+            bias,
+            plan=quantized_plan,
+            residual_out=given_h,
+        )
+    except (Exception, SystemExit) as exc:
+        route.reraise(choice.backend, f"{op.name} (quantized)", exc)
     if as_rows:
         q = arrays.reshape(q, plan.shape)
         h = None if h is None else arrays.reshape(h, plan.shape)
@@ -210,19 +237,38 @@ def _into(given: Any, result: Any) -> Any:
 def reference(y: Any, mode: str, static: float | None, axes: tuple[int, ...]) -> tuple[Any, Any]:
     """normlab's quantizer: ``(q, scale)`` of float32 ``y`` in ``mode`` (the module docstring
     has the formulas), per row over the normalized ``axes``; ``static``: the scale of every row,
-    or None (dynamic). In y's own library, elementwise and per row."""
+    or None (dynamic). In y's own library, elementwise and per row; silent where IEEE
+    arithmetic overflows or meets inf/inf (a tiny static scale, a row of inf): those results
+    are the formulas' own."""
+    with _silently(y):
+        return _quantized(y, mode, static, axes)
+
+
+def _silently(like: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which ``like``'s library warns of no floating-point overflow or invalid
+    operation (NumPy's ``errstate``; the others do not warn)."""
+    if arrays.info(like).family == "numpy":
+        return sys.modules["numpy"].errstate(all="ignore")  # type: ignore[no-any-return]
+    return contextlib.nullcontext()
+
+
+def _quantized(y: Any, mode: str, static: float | None, axes: tuple[int, ...]) -> tuple[Any, Any]:
+    """:func:`reference` in y's library, whatever it warns. Every array it makes is made like
+    one of y's (``*_like``): a tensor that only its library's dispatch knows (a fake tensor)
+    gets its like."""
     xp = array_api_compat.array_namespace(y)
-    float32 = y.dtype
-    shape = tuple(1 if a in axes else n for a, n in enumerate(y.shape))
-    device = array_api_compat.device(y)
-    if static is None:
-        if any(y.shape[a] == 0 for a in axes):  # rows without elements: nothing to scale
-            scale = xp.zeros(shape, dtype=float32, device=device)
-        else:
-            amax = xp.max(xp.abs(y), axis=axes, keepdims=True)
-            scale = amax / xp.full(shape, LIMITS[mode], dtype=float32, device=device)
-    else:
-        scale = xp.full(shape, static, dtype=float32, device=device)
+    if any(y.shape[a] == 0 for a in axes):  # rows without elements: no value to scale
+        scale = xp.full_like(xp.sum(y, axis=axes, keepdims=True), static or 0.0)
+    elif static is None:
+        amax = xp.max(xp.abs(y), axis=axes, keepdims=True)
+        # a NaN makes its row's scale NaN, also where the library's max drops NaN (XLA's CPU
+        # max does, its "fast" min/max)
+        nan_rows = xp.any(xp.isnan(y), axis=axes, keepdims=True)
+        amax = xp.where(nan_rows, xp.full_like(amax, math.nan), amax)
+        scale = amax / xp.full_like(amax, LIMITS[mode])
+    else:  # the first element of each row: an array of the scale's shape, to make it like
+        first = tuple(slice(0, 1) if a in axes else slice(None) for a in range(y.ndim))
+        scale = xp.full_like(y[first], static)
     zero = scale == 0
     # divisors of the dividend's own shape: XLA divides by a broadcast divisor through its
     # reciprocal (not IEEE division); a divisor of the same shape it divides exactly

@@ -154,6 +154,45 @@ def test_quantized_long_rows(normlab_subject: Subject, op: str, dtype: str, mode
     _same_bits_as_the_float32_y_quantized(s, op, given, mode, None, result, repro)
 
 
+#: Extremes of the quantizer, by name: the static scale (None: dynamic) and the weight's
+#: magnitude. A subnormal scale saturates every q; a weight near float32's largest makes y
+#: overflow to ±inf (a dynamic scale of inf; v = inf / inf is NaN); rows 3 and 4 hold an inf
+#: and a NaN.
+EXTREMES: Final = {
+    "subnormal-static-scale": (1e-40, 1.0),
+    "overflowing-y-dynamic": (None, 3e38),
+    "overflowing-y-static": (0.5, 3e38),
+}
+
+
+@pytest.mark.parametrize("extreme", EXTREMES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_quantized_extremes(
+    normlab_subject: Subject, op: str, dtype: str, mode: str, extreme: str
+) -> None:
+    """At the quantizer's extremes q and scale are still the subject's float32 y quantized,
+    bit for bit (saturated, NaN and inf as the formulas give them). (The project's tests run
+    the numpy backend's and the default NumPy call's suite with NumPy's warnings as errors:
+    overflow to inf and inf / inf are the formulas' own results, not warnings.)"""
+    s = normlab_subject
+    _require(s, op, dtype, mode)
+    static, magnitude = EXTREMES[extreme]
+    if static is not None and static < 2.0**-126 and s.flushes_subnormals:
+        pytest.skip(f"backend {s.name!r} declares flushes_subnormals=True: a subnormal scale is 0")
+    given = _inputs(dtype, seed=24)
+    given["x"][3, 10] = np.inf
+    given["x"][4, 20] = np.nan
+    given["weight"] = (given["weight"] / np.abs(given["weight"]).max() * magnitude).astype(
+        np.float32
+    )
+    repro = _repro(s, op, dtype, mode, static) + f", weights up to {magnitude!r}, inf, NaN"
+    result = _call(s, op, given, quantize=mode, quantize_scale=static)
+    with np.errstate(all="ignore"):  # the expected y overflows as the subject's
+        _same_bits_as_the_float32_y_quantized(s, op, given, mode, static, result, repro)
+
+
 def _same_bits_as_the_float32_y_quantized(
     s: Subject,
     op: str,

@@ -174,6 +174,25 @@ def test_quantize_composes_with_model_options(backend: str | None, mode: str) ->
     assert _same(q, _want(y, mode, 0.01)[0]) and bool((s == np.float32(0.01)).all())
 
 
+@pytest.mark.parametrize("backend", [None, "numba", "torch"])
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3"])
+def test_llama_casting_of_float64_x_is_the_plain_calls_y_rounded_to_float32(
+    backend: str | None, mode: str
+) -> None:
+    """float64 x and weight with casting="llama": the quantized y is the plain call's (x̂ times
+    the weight in float64) rounded to float32, the contract's definition; the weight was
+    rounded to float32 before the multiply, and scales of 2 to 7 of 16 rows differed."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 64, generator=g, dtype=torch.float64)
+    w = torch.randn(64, generator=g, dtype=torch.float64)
+    q, s = normlab.rms_norm(x, 64, w, 1e-6, casting="llama", quantize=mode, backend=backend)
+    y = normlab.rms_norm(x, 64, w, 1e-6, casting="llama", backend=backend)
+    assert y.dtype == torch.float64
+    want = _want(y.float(), mode)
+    assert _same(q, want[0]) and _same(s, want[1])
+
+
 @pytest.mark.parametrize("backend", [None, "numpy"])
 def test_nan_and_inf_stay_in_their_rows(backend: str | None) -> None:
     """A row holding NaN gets a NaN scale (int8 q 0, float8 q NaN), a row holding Inf an Inf

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import normlab
+from normlab.quantize import reference as quantized_reference
 from normlab.testing.bitwise import same_bits
 
 
@@ -111,3 +112,24 @@ def test_torch_gradients_through_the_stream() -> None:
     ((y2 * dy.double()).sum() + h2.sum()).backward()
     for got, want in zip(grads, (x2.grad, r2.grad, w2.grad), strict=True):
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", [None, "numba", "torch"])
+def test_llama_casting_quantizes_x_hat_rounded_to_xs_dtype(backend: str | None, mode: str) -> None:
+    """casting="llama" beside a float32 stream: the quantized y is x̂ (the norm of the float32
+    h) rounded to x's dtype, times the weight in float32 (docs/quantized.md), as without the
+    stream; it was x̂ of float32 rounding (scales up to 0.24 % off)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 64, generator=g).bfloat16()
+    residual = torch.randn(16, 64, generator=g)
+    weight = torch.randn(64, generator=g).bfloat16()
+    call = normlab.add_rms_norm(
+        x, residual, 64, weight, 1e-6, casting="llama", quantize=mode, backend=backend
+    )
+    x_hat = normlab.add_rms_norm(x, residual, 64, None, 1e-6, backend=backend)[0]
+    y = x_hat.float() * weight.float()
+    q, scale = quantized_reference(y, mode, None, (1,))
+    assert torch.equal(call[1], scale)
+    assert torch.equal(call[0].view(torch.uint8), q.view(torch.uint8))

@@ -62,3 +62,23 @@ def test_out_with_a_parameter_requiring_grad_keeps_the_graph(backend: str) -> No
     y.float().sum().backward()
     assert bias.grad is not None
     np.testing.assert_array_equal(bias.grad.numpy(), 3.0)
+
+
+@pytest.mark.parametrize("backend", [None, "numba", "torch"])
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"])
+def test_quantized_outputs_carry_no_gradient(op: str, mode: str, backend: str | None) -> None:
+    """q and scale are not differentiable (docs/quantized.md): neither requires grad, whatever
+    requires it among x, the residual and the weight; a fused op's h keeps its graph."""
+    x = torch.randn(4, 64, requires_grad=True)
+    weight = torch.randn(64, requires_grad=True)
+    fused = op.startswith("add_")
+    args = (x, torch.randn(4, 64, requires_grad=True)) if fused else (x,)
+    result = getattr(normlab, op)(*args, weight=weight, quantize=mode, backend=backend)
+    q, scale = result[0], result[1]
+    assert not q.requires_grad and not scale.requires_grad
+    if fused:
+        h = result[2]
+        assert h.requires_grad
+        h.sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, torch.ones_like(x))

@@ -133,6 +133,26 @@ def test_fake_tensors_give_fake_results(how: str) -> None:
         assert isinstance(y, FakeTensor) and isinstance(h, FakeTensor)
 
 
+@pytest.mark.parametrize("backend", [None, "numba", "torch"])
+@pytest.mark.parametrize("mode", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_layer_norm"])
+def test_fake_tensors_outside_their_mode_give_fake_quantized_outputs(
+    op: str, mode: str, backend: str | None
+) -> None:
+    """Fake tensors made in a mode that has since exited, as a plain call gets them: q and
+    scale are fake (the core's quantizer makes every array like one of y's; a scale made
+    from nothing was a real tensor beside fake ones: torch's AssertionError)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(4, 64)
+    args = (x, x) if op.startswith("add_") else (x,)
+    q, scale, *_ = getattr(normlab, op)(*args, quantize=mode, backend=backend)
+    assert isinstance(q, FakeTensor) and isinstance(scale, FakeTensor)
+    assert q.shape == x.shape and scale.shape == (4, 1)
+    assert q.dtype == (torch.int8 if mode == "int8" else torch.float8_e4m3fn)
+
+
 def test_functionalize_runs_torch_s_ops() -> None:
     """torch.func.functionalize is a transform too: its result is the torch backend's, bitwise."""
     x, w = torch.randn(64, 768), torch.randn(768)
