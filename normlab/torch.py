@@ -332,15 +332,55 @@ def _replaced(
     backend: str | None,
     swap: Callable[[torch.nn.Module, str | None], torch.nn.Module],
 ) -> torch.nn.Module:
-    """``model`` with every module (itself included) replaced by ``swap``'s answer for it."""
+    """``model`` with every module (itself included) replaced by ``swap``'s answer for it, each
+    new module with the replaced one's hooks (:func:`_with_hooks`)."""
     if backend is not None:
         registry.get(backend)
+    names = {id(m): name for name, m in model.named_modules()}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             swapped = swap(child, backend)
             if swapped is not child:
-                setattr(parent, name, swapped)
-    return swap(model, backend)
+                setattr(parent, name, _with_hooks(swapped, child, f"module {names[id(child)]!r}"))
+    swapped = swap(model, backend)
+    return model if swapped is model else _with_hooks(swapped, model, "the model")
+
+
+#: The attributes of ``torch.nn.Module`` that hold its hooks (forward, backward, state_dict):
+#: a new module takes the replaced module's very dictionaries, so that the handles the hooks'
+#: registration returned still remove them.
+_HOOKS: Final = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_is_full_backward_hook",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _with_hooks(new: torch.nn.Module, old: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``new`` with ``old``'s hooks (:data:`_HOOKS`). A forward set on ``old`` itself (as
+    accelerate's ``add_hook_to_module`` does) cannot move to a module of another class: an
+    ArgumentError naming the module (``name``: where it is) and what replaced its forward."""
+    if "forward" in vars(old):
+        hook = getattr(old, "_hf_hook", None)
+        by = f" by {type(hook).__qualname__} (accelerate)" if hook is not None else ""
+        raise normlab.ArgumentError(
+            f"{name} ({type(old).__qualname__}) has its forward replaced on the instance{by}; "
+            "normlab cannot move that to its own module: replace the norms before adding such "
+            "hooks (before accelerate's dispatch_model or cpu_offload, for example)"
+        )
+    for attribute in _HOOKS:
+        if hasattr(old, attribute):
+            setattr(new, attribute, getattr(old, attribute))
+    return new
 
 
 def _swap(module: torch.nn.Module, backend: str | None) -> torch.nn.Module:

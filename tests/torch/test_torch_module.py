@@ -479,3 +479,39 @@ def test_rms_norm_module_casting(casting: str) -> None:
     torch.testing.assert_close(torch.jit.trace(model, x)(x), want)
     with pytest.raises(normlab.ArgumentError, match="casting must be one of"):
         nt.RMSNorm(16, casting="gemma")
+
+
+def test_replace_norms_carries_the_hooks_over() -> None:
+    """Forward pre-hooks, forward hooks and full backward hooks registered on a norm before the
+    swap fire on normlab's module; the handles their registration returned still remove them
+    (the new module holds the very dictionaries)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.ReLU())
+    fired: list[str] = []
+    handles = [
+        model[1].register_forward_pre_hook(lambda m, args: fired.append("pre")),
+        model[1].register_forward_hook(lambda m, args, y: fired.append("forward")),
+        model[1].register_forward_hook(
+            lambda m, args, kwargs, y: fired.append("with kwargs"), with_kwargs=True
+        ),
+        model[1].register_full_backward_hook(lambda m, gi, go: fired.append("backward")),
+    ]
+    nt.replace_norms(model)
+    assert isinstance(model[1], nt.LayerNorm)
+    x = torch.randn(3, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert fired == ["pre", "forward", "with kwargs", "backward"]
+    for handle in handles:
+        handle.remove()
+    fired.clear()
+    model(x).sum().backward()
+    assert fired == []
+
+
+def test_replace_norms_refuses_a_forward_replaced_on_the_instance() -> None:
+    """A forward set on the module itself (accelerate's add_hook_to_module) cannot move to
+    normlab's module: an ArgumentError names the module, not a silent loss of the hook."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    original = model[1].forward
+    model[1].forward = lambda x: original(x) * 2
+    with pytest.raises(normlab.ArgumentError, match=r"module '1' \(LayerNorm\) has its forward"):
+        nt.replace_norms(model)
