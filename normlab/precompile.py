@@ -14,9 +14,9 @@ numba's threads; compiled only where numba has more than one thread), forward is
 ``layer_norm_backward`` with a weight (``rms_norm_backward`` runs the same kernels) and fused
 the numba backend's ``add_layer_norm`` with weight and bias (``add_rms_norm`` runs the same
 kernels), with h returned and without (two kernels), and quantized the numba backend's
-quantizing kernels (``layer_norm`` and ``add_layer_norm`` with ``quantize="int8"``, h returned
-and without; every mode and ``rms_norm`` run the same kernels; strided rows are composed from
-the forward's). Where torch is installed, the contiguous
+quantizing kernels (``layer_norm`` and ``add_layer_norm`` with ``quantize="int8"`` and
+``"fp8_e4m3"``, h returned and without; ``rms_norm`` and the static scales run the same
+kernels; strided rows are composed from the forward's). Where torch is installed, the contiguous
 forward and fused calls, serial and parallel, are also made on CPU tensors (the numba
 backend's address entries, which contiguous tensors run; for half dtypes with float32
 parameters and with parameters in x's dtype, which the entries widen themselves). Rows longer
@@ -313,12 +313,17 @@ def _run_fused(x: Any, residual: Any, weight: Any, bias: Any) -> None:
 
 def _run_quantized(x: Any, residual: Any, weight: Any, bias: Any) -> None:
     """The numba backend's quantizing kernels for ``x``'s dtype and size: ``layer_norm`` and
-    ``add_layer_norm`` (h returned and not) with int8 outputs."""
+    ``add_layer_norm`` (h returned and not) in each mode (q of another dtype is another
+    specialization); fp8 where NumPy has a float8 dtype (ml_dtypes)."""
+    import importlib.util
+
     from normlab import api
 
-    api.layer_norm(x, weight=weight, bias=bias, quantize="int8", backend="numba")
-    for keep_h in (True, False):
-        api.add_layer_norm(
-            x, residual, weight=weight, bias=bias, return_residual=keep_h, quantize="int8",
-            backend="numba",
-        )  # fmt: skip
+    modes = ("int8", "fp8_e4m3") if importlib.util.find_spec("ml_dtypes") else ("int8",)
+    for mode in modes:
+        api.layer_norm(x, weight=weight, bias=bias, quantize=mode, backend="numba")
+        for keep_h in (True, False):
+            api.add_layer_norm(
+                x, residual, weight=weight, bias=bias, return_residual=keep_h, quantize=mode,
+                backend="numba",
+            )  # fmt: skip

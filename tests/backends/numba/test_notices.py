@@ -178,9 +178,31 @@ def test_the_warmup_set_covers_every_kernel_family() -> None:
 
 
 WARMED_CALLS = """
-    import normlab
+    import numpy as np, normlab
+    from numba.core import event
+    from normlab.backends.numba_pool import SERIAL_ELEMENTS
+
+    compiled = []
+
+    class Count(event.Listener):
+        def on_start(self, ev):
+            compiled.append(ev.data["dispatcher"].py_func.__name__)
+
+        def on_end(self, ev):
+            pass
+
+    event.register("numba:compile", Count())
     warmed = normlab.warmup(["float32"])
-    print("compiled", warmed.compiled, "loaded", warmed.loaded, "calls", warmed.calls)
+    # calls the warmed set covers without being in it: every quantize mode and rms_norm run
+    # the warmed quantizing kernels, serial and parallel
+    x = np.linspace(-1, 1, 4 * 64, dtype=np.float32).reshape(4, 64)
+    big = np.linspace(-1, 1, 4 * SERIAL_ELEMENTS, dtype=np.float32).reshape(-1, 64)
+    for mode in ("int8", "fp8_e4m3"):
+        normlab.rms_norm(x, quantize=mode, backend="numba")
+        normlab.layer_norm(big, quantize=mode, quantize_scale=0.5, backend="numba")
+        normlab.add_rms_norm(x, x, quantize=mode, backend="numba")
+    print("compiled", warmed.compiled, "loaded", warmed.loaded, "calls", warmed.calls,
+          "then", len(compiled), compiled)
 """
 
 
@@ -205,6 +227,7 @@ def test_warmup_float32_compiles_ahead_and_removes_the_notice(tmp_path: Path) ->
     again = _child(WARMED_CALLS, tmp_path)  # the same calls in a new process: all cached
     assert again.returncode == 0, again.stderr
     assert "compiled 0 loaded" in again.stdout
+    assert "then 0 []" in again.stdout
     assert NOTICE not in again.stderr
 
 
