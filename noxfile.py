@@ -63,10 +63,6 @@ def tests_all(session: nox.Session) -> None:
     session.run("pytest", *PARALLEL, "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
 
-#: The suite test normlab-jax is known to fail (see plugin_jax).
-JAX_FLOAT32_ACCURACY = "test_float32_small_outputs_as_accurate_as_torch[jax-layer_norm"
-
-
 @nox.session(name="plugin-jax")
 def plugin_jax(session: nox.Session) -> None:
     """The normlab-jax plugin, installed as a user would: its tests, then the conformance suite
@@ -81,11 +77,6 @@ def plugin_jax(session: nox.Session) -> None:
         "--pyargs",
         "normlab.testing",
         "--normlab-backend=jax",
-        # a known deviation of normlab-jax 0.2.0: its kernel forms y from x - x0 and then the
-        # mean's remainder (two roundings), 3 times the float32 tolerance on small outputs; the
-        # corrected form costs it batch invariance under XLA (the last row of a batch of 2048
-        # came out other than alone), so the fix waits for a form XLA keeps bitwise
-        f"--normlab-xfail={JAX_FLOAT32_ACCURACY}",
         *session.posargs,
     )
 
