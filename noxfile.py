@@ -8,6 +8,7 @@ its own temporary folder; ``demo`` alone keeps its virtualenv and Numba cache be
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from pathlib import Path
 
@@ -19,6 +20,7 @@ nox.options.sessions = [
     "types",
     "tests-numpy",
     "tests-all",
+    "nvrtc-floor",
     "plugin-jax",
     "plugin-dask",
     "docs",
@@ -61,6 +63,24 @@ def tests_all(session: nox.Session) -> None:
     session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN, XDIST)
     session.env["NORMLAB_REQUIRE_MODELS"] = "1"  # the MiniLM test must run, not skip
     session.run("pytest", *PARALLEL, "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
+
+
+def _nvrtc_floor() -> str:
+    """The oldest nvidia-cuda-nvrtc the cupy extra allows: the release its ``>=`` bound names."""
+    found = re.search(r'"nvidia-cuda-nvrtc>=([^,"]+)', Path("pyproject.toml").read_text())
+    if found is None:
+        raise RuntimeError("pyproject.toml: the cupy extra has no nvidia-cuda-nvrtc>= bound")
+    return found.group(1)
+
+
+@nox.session(name="nvrtc-floor")
+def nvrtc_floor(session: nox.Session) -> None:
+    """The CUDA kernels nearest the register cap compiled with the oldest NVRTC the cupy extra
+    allows, that wheel alone (tests-all compiles every kernel with the newest)."""
+    _isolate(session)
+    session.install(".[test]", f"nvidia-cuda-nvrtc=={_nvrtc_floor()}")
+    session.env["NORMLAB_NVRTC_FLOOR"] = "1"
+    session.run("pytest", "tests/backends/cuda/test_cuda_nvrtc_floor.py", *session.posargs)
 
 
 @nox.session(name="plugin-jax")

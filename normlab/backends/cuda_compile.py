@@ -129,6 +129,21 @@ def _candidates() -> list[str]:
     return found
 
 
+def _load_builtins_beside(path: str) -> None:
+    """Load the ``libnvrtc-builtins.so.*`` in the folder of the NVRTC library ``path``, if any.
+    NVRTC opens it by name when it compiles; the 13.0 wheels' libnvrtc does not look in its own
+    folder, and so finds it only loaded already."""
+    folder = os.path.dirname(path)
+    if not folder:
+        return
+    for builtins in sorted(glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")), reverse=True):
+        try:
+            ctypes.CDLL(builtins)
+        except OSError:
+            continue
+        return
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> ctypes.CDLL | str:
     """The NVRTC library with its prototypes set, or the reason it cannot be loaded."""
@@ -138,6 +153,7 @@ def _load() -> ctypes.CDLL | str:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
+        _load_builtins_beside(path)
         p, c_int_p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
         char_pp, size_p = ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)
         prototypes: dict[str, list[Any]] = {

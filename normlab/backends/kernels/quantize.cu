@@ -157,6 +157,9 @@ norm_quantize_rows(
   for (long long g = blockIdx.x; g < groups; g += gridDim.x) {
     const long long row = g * ROWS_PER_BLOCK + sub;
     const bool live = row < rows;
+    // Every address is formed from i (row, for a live row; 0, only read, for a dead one): the
+    // loop then keeps one row index, not row beside offsets derived from it, which cost the top
+    // rungs (at their cap of 128 registers) a spill with NVRTC 13.0 for sm_90.
     const long long i = live ? row : 0;
     const T* x = X + i * x_row_stride;
     const T* r = R == nullptr ? nullptr : R + i * r_row_stride;
@@ -166,7 +169,7 @@ norm_quantize_rows(
     load_h_chunks<VECTOR>(x, r, first, STEP, live ? cols : 0, v, n);
     const RowNorm<A> s = row_norm<CENTRE, WARPS>(v, n, x0, cols, eps, partial[sub].norm, t / 32);
     if (live && H != nullptr) {
-      store_chunks<VECTOR>(H + row * h_row_stride, v, n, first, STEP);
+      store_chunks<VECTOR>(H + i * h_row_stride, v, n, first, STEP);
     }
     form_y<CENTRE, VECTOR>(W, B, v, n, first, STEP, s, offset);
     float scale = static_scale;
@@ -178,9 +181,9 @@ norm_quantize_rows(
       continue;
     }
     if (t == 0) {
-      Scale[row] = scale;
+      Scale[i] = scale;
     }
-    store_q_chunks<VECTOR>(Q + row * cols, v, n, first, STEP, scale, mode);
+    store_q_chunks<VECTOR>(Q + i * cols, v, n, first, STEP, scale, mode);
   }
 }
 
