@@ -22,8 +22,20 @@ from normlab.testing.tolerances import assert_close
 from tests.support import mutants
 
 #: Known deviations, expected to fail (passed as ``--normlab-xfail`` ids). Each id must still
-#: catch a failure: once one is fixed, test_backend_conforms asks to remove it. None today.
-KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {}
+#: catch a failure: once one is fixed, the test asks to remove it. The torch backend's
+#: LayerNorm of float32 and float64 x runs torch's own CPU backward in autograd, whose
+#: parameter gradients split their sum over rows by the thread count (docs/training.md: the
+#: chunked sums it takes for half x cost 4-6 times the step here); the default choice sends
+#: training LayerNorm calls there.
+_TORCH_THREADS: Final = tuple(
+    f"test_autograd_thread_counts[{subject}-layer_norm-{dtype}]"
+    for subject in ("torch", "default:torch")
+    for dtype in ("float32", "float64")
+)
+KNOWN_FAILURES: Final[dict[str, tuple[str, ...]]] = {
+    "torch": _TORCH_THREADS[:2],
+    "default:torch": _TORCH_THREADS[2:],
+}
 #: The subjects whose suite runs with NumPy's floating-point warnings as errors: the numpy
 #: backend and the core's composition on NumPy arrays are silent on every extreme case (an
 #: overflow to inf is the contract's result, not a warning).
@@ -88,10 +100,15 @@ def test_the_default_choice_conforms(family: str) -> None:
     outcomes = Outcomes()
     subject = f"default:{family}"
     silent = WARNINGS_AS_ERRORS if subject in SILENT else ()
+    xfails = [f"--normlab-xfail={known}" for known in KNOWN_FAILURES.get(subject, ())]
     code = normlab.testing.check(
-        subject, extra_pytest_args=("-q", "--tb=short", *silent), plugins=[outcomes]
+        subject, extra_pytest_args=("-q", "--tb=short", *silent, *xfails), plugins=[outcomes]
     )
     assert code == pytest.ExitCode.OK, f"{len(outcomes.failed)} failed: {outcomes.failed[:20]}"
+    fixed = [
+        k for k in KNOWN_FAILURES.get(subject, ()) if not any(k in t for t in outcomes.xfailed)
+    ]
+    assert not fixed, f"known failures of {subject!r} no longer fail; remove them: {fixed}"
 
 
 def test_declared_flushing_skips_the_subnormal_cases() -> None:
