@@ -586,17 +586,22 @@ def test_autograd_thread_counts(normlab_subject: Subject, op: str, dtype: str) -
     )
     case = BackwardCase(forward)
     runs = {}
-    for n in (1, 2, 3, 1):
-        for get, set_, counts in knobs:
-            set_(min(n, max(counts)))
-        x, kwargs = forward.inputs(s.name)
-        leaves = {"x": x.requires_grad_()}
-        leaves.update({k: kwargs[k].requires_grad_() for k in ("weight", "bias") if k in kwargs})
-        y = forward.call(x, **kwargs, backend=s.backend)
-        y.backward(s.from_numpy(case.numpy_inputs()[1]))
-        runs[n] = {name: s.to_numpy(leaf.grad).tobytes() for name, leaf in leaves.items()}
-    for get, set_, counts in knobs:
-        set_(max(counts))
+    before = [get() for get, _, _ in knobs]
+    try:
+        for n in (1, 2, 3, 1):
+            for _, set_, counts in knobs:
+                set_(min(n, max(counts)))
+            x, kwargs = forward.inputs(s.name)
+            leaves = {"x": x.requires_grad_()}
+            leaves.update(
+                {k: kwargs[k].requires_grad_() for k in ("weight", "bias") if k in kwargs}
+            )
+            y = forward.call(x, **kwargs, backend=s.backend)
+            y.backward(s.from_numpy(case.numpy_inputs()[1]))
+            runs[n] = {name: s.to_numpy(leaf.grad).tobytes() for name, leaf in leaves.items()}
+    finally:
+        for (_, set_, _), count in zip(knobs, before, strict=True):
+            set_(count)
     differ = sorted({k for run in runs.values() for k in run if run[k] != runs[1][k]})
     assert not differ, (
         f"the gradients of {differ} change with the thread count\n{case.snippet(s.name)}"
