@@ -35,6 +35,8 @@ _DYNAMO: Final = "torch._dynamo"
 #: The functions that dynamo keeps as single nodes, registered on the first trace.
 _nodes: list[Callable[..., Any]] = []
 _registered = False
+#: ``torch.compiler.is_compiling``, looked up once torch._dynamo is loaded.
+_is_compiling: Callable[[], bool] | None = None
 
 
 def register_node(node: Callable[..., Any]) -> Callable[..., Any]:
@@ -49,8 +51,12 @@ def traces() -> bool:
     """Whether torch's compiler is tracing the caller: dynamo (which runs this function for
     real and keeps its answer as a constant), or an export or AOTAutograd trace. The first True
     registers the nodes with dynamo."""
-    global _registered
-    if _DYNAMO not in sys.modules or not sys.modules["torch"].compiler.is_compiling():
+    global _registered, _is_compiling
+    if _DYNAMO not in sys.modules:
+        return False
+    if _is_compiling is None:
+        _is_compiling = sys.modules["torch"].compiler.is_compiling
+    if not _is_compiling():
         return False
     if not _registered:
         for node in _nodes:
