@@ -84,6 +84,7 @@ from benchmarks.workloads import (
 )
 from normlab import dispatch, registry, spec
 from normlab.errors import NormlabError
+from normlab.ops import FORWARD_OPS
 from normlab.registry import Backend
 from normlab.testing.conversions import numpy_dtype
 
@@ -116,7 +117,7 @@ DTYPES: Final = {
     "quick": ("float32", "float16"),
     "full": ("float32", "float16", "bfloat16", "float64"),
 }
-FORWARDS: Final = ("layer_norm", "rms_norm")
+FORWARDS: Final = FORWARD_OPS
 #: The small-size sweep of the full matrix's forwards: rows against time per call.
 SWEEP_ROWS: Final = tuple(2**k for k in range(11))
 SWEEP_HIDDEN: Final = (768, 1024)

@@ -27,10 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+from normlab.ops import FORWARD_OPS
+
 ROWS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 HIDDEN: Final = (768, 4096)
 DTYPES: Final = ("float32", "float16", "bfloat16")
-OPS: Final = ("layer_norm", "rms_norm")
+OPS: Final = FORWARD_OPS
 #: Seconds each case is timed per round, in batches of calls.
 CASE_SECONDS: Final = 0.25
 HERE: Final = Path(__file__).resolve()

@@ -38,12 +38,13 @@ ROOT: Final = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import normlab  # noqa: E402
+from normlab.ops import FORWARD_OPS  # noqa: E402
 from normlab.testing.conversions import numpy_dtype  # noqa: E402
 from normlab.testing.tolerances import (  # noqa: E402
     TOLERANCES,
 )
 
-OPS: Final = ("layer_norm", "rms_norm")
+OPS: Final = FORWARD_OPS
 DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
 EPS: Final = 1e-5
 AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097, 65536, 262144)

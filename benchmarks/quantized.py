@@ -36,9 +36,11 @@ import timeit
 from collections.abc import Callable
 from typing import Any, Final
 
+from normlab.ops import names
+
 SHAPES: Final = ((1, 4096), (32, 4096), (8192, 4096))
 DTYPES: Final = ("float32", "bfloat16")
-OPS: Final = ("rms_norm", "add_rms_norm")
+OPS: Final = names(direction="forward", norm="rms")
 #: Each op's modes (dynamic per-row scale); a case is ``"<op> <mode>"``.
 MODES: Final = {"rms_norm": ("int8", "fp8_e4m3"), "add_rms_norm": ("int8",)}
 #: The cases measured, in the order :func:`cases` gives them.

@@ -40,6 +40,7 @@ from typing import Any, Final
 import numpy as np
 
 import normlab
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS, FUSED_OPS
 from normlab.registry import Backend
 from normlab.testing.conversions import numpy_dtype
 
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 EPS: Final = 1e-5
-OPS: Final = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+OPS: Final = FORWARD_OPS + BACKWARD_OPS
 #: The reference points of each op, besides the copy limits that every op shares.
 REFERENCES: Final = {
     "layer_norm": ("torch", "textbook"),
@@ -72,7 +73,7 @@ REFERENCES: Final = {
 }
 LIMITS: Final = ("copy", "copyto")
 #: The fused ops (residual add + norm) and the unfused pairs they are measured against.
-FUSED: Final = ("add_layer_norm", "add_rms_norm")
+FUSED: Final = FUSED_OPS
 FUSED_REFERENCES: Final = ("add_numba", "torch")
 #: A fused call's modes: ``alloc`` returns ``(y, h)`` (pre-norm), ``post`` returns ``y`` alone
 #: (``return_residual=False``, post-norm: ``h`` is never written).

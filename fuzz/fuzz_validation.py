@@ -51,6 +51,7 @@ with atheris.instrument_imports(include=["normlab"], exclude=KERNELS):
         import normlab.backends.torch_backend
 
 # Imported after the instrumented block: the test helpers are not what is fuzzed.
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS  # noqa: E402
 from normlab.testing.conversions import (  # noqa: E402
     NUMPY_LAYOUTS,
     arrange,
@@ -94,7 +95,7 @@ ODD_VALUES: Final = (
     b"x",
     10**30,
 )
-OPS: Final = ("layer_norm", "rms_norm", "explain", "layer_norm_backward", "rms_norm_backward")
+OPS: Final = (*FORWARD_OPS, "explain", *BACKWARD_OPS)
 
 
 class Decoder:

@@ -26,6 +26,7 @@ from typing import Any, Final
 from normlab import costs, dispatch, registry
 from normlab.constants import FLOAT_DTYPES
 from normlab.errors import ArgumentError, NormlabError
+from normlab.ops import OPS
 from normlab.registry import Backend
 
 __all__ = ["SIZES", "Measurement", "calibrate", "fit"]
@@ -231,11 +232,11 @@ def _call(op: str, convert: Callable[[Any], Any], x: Any, name: str) -> Callable
 
     xa = convert(x)
     weight = convert(x[0] * 0 + 1)
+    arithmetic = OPS[op].arithmetic
     forward_op = op.removesuffix("_backward")
-    rms = forward_op in ("rms_norm", "add_rms_norm")
-    params = {"weight": weight} if rms else {"weight": weight, "bias": weight}
+    params = {"weight": weight, "bias": weight} if arithmetic.centred else {"weight": weight}
     forward = getattr(normlab, forward_op)
-    if forward_op.startswith("add_"):
+    if arithmetic.residual_add:
         residual = convert(x[::-1])
         return lambda: forward(xa, residual, **params, backend=name)
     if op == forward_op:

@@ -21,8 +21,10 @@ The module named by a record defines, for each op in ``ops``, a function of that
         Returns (y, mean, rstd): y 2-D in x's dtype (``out`` itself when given); mean and rstd
         1-D (plan.rows,) in plan.stats_dtype when plan.return_stats, else None.'''
 
-and, for ``rms_norm``, the same signature with ``bias`` always None, returning
-``(y, None, rstd)``; for the fused residual-add ops::
+and, for ``rms_norm``, ``rms_norm(x, weight, *, plan, out)`` returning ``(y, rstd)`` (a record
+with ``kernel_form=1``, the form of plugins written before it: the signature of
+``layer_norm``, ``bias`` always None, returning ``(y, None, rstd)``); for the fused
+residual-add ops::
 
     def add_layer_norm(x, residual, weight, bias, *, plan, out, residual_out):
         '''h = x + residual rounded to x's dtype (bitwise the unfused add), then y = layer_norm(h)
@@ -30,7 +32,9 @@ and, for ``rms_norm``, the same signature with ``bias`` always None, returning
         residual_out (2-D like x) or a new array, else h is never written and None is returned
         for it. Returns (y, h, mean, rstd).'''
 
-and ``add_rms_norm`` likewise (``bias`` always None) returning ``(y, h, None, rstd)``; with
+and ``add_rms_norm(x, residual, weight, *, plan, out, residual_out)`` likewise, returning
+``(y, h, rstd)`` (``kernel_form=1``: a ``bias`` always None, returning ``(y, h, None, rstd)``);
+with
 ``inplace``, ``out`` may be the memory of ``x`` or ``residual`` and ``residual_out`` that of
 ``residual`` or ``x`` (never both the same); for the backward ops::
 
@@ -90,7 +94,10 @@ Array API standard (exposes ``__array_namespace__``, no inspector of its own).
 
 The :class:`~normlab.Plan` a backend receives is public (``normlab.Plan``); a backend may read
 the fields in :data:`PLAN_FIELDS` (docs/plugins.md says what each means): ``op``, ``rows``,
-``cols``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``, ``return_stats``,
+``cols``, ``arithmetic`` (what the op computes: :class:`normlab.ops.Arithmetic`, its norm,
+direction and the steps before and after the norm; read it rather than the op's name),
+``family``, ``requires_grad``, ``dtype``, ``compute_dtype``, ``stats_dtype``, ``eps``,
+``return_stats``,
 ``weight_dtype``, ``bias_dtype``, ``has_weight``, ``has_bias``, ``weight_offset``,
 ``residual_dtype``, ``quantize``, ``quantize_scale``, ``device``, and for context ``shape``,
 ``axes``, ``batch_axes`` and
@@ -109,6 +116,7 @@ from typing import Any, Final
 import pluggy
 
 from normlab.errors import ArgumentError
+from normlab.ops import OPS, Arithmetic
 from normlab.scalars import finite_float, shown
 
 __all__ = [
@@ -209,6 +217,11 @@ class Plan:
     quantize_scale: float | None = None
 
     @property
+    def arithmetic(self) -> Arithmetic:
+        """What the op computes (its row of the op table, :mod:`normlab.ops`)."""
+        return OPS[self.op].arithmetic
+
+    @property
     def has_weight(self) -> bool:
         return self.weight_dtype is not None
 
@@ -229,6 +242,9 @@ class Plan:
 #: The fields of a :class:`~normlab.Plan` a backend may read.
 PLAN_FIELDS: Final = (
     "op",
+    "arithmetic",
+    "family",
+    "requires_grad",
     "rows",
     "cols",
     "dtype",
@@ -387,6 +403,11 @@ class BackendRecord:
             compares the estimates of able backends that both declare one (else priority
             decides).
             ``normlab calibrate`` measures them on the user's machine, overriding these.
+        kernel_form: the signatures of the module's op functions (:data:`normlab.ops.
+            KERNEL_FORMS`): 2, RMSNorm's functions take no bias and return no mean
+            (``rms_norm(x, weight, *, plan, out) -> (y, rstd)``); 1 (the default, the form of
+            every plugin written before form 2): they take LayerNorm's arguments, a bias always
+            None, and return ``(y, None, rstd)``. The core calls each backend in its own form.
         inspector: the import path (``"pkg.mod:Class"``) of a :class:`normlab.arrays.Inspector`
             subclass for the arrays of ``families``, imported when normlab first meets one;
             ``None``: normlab's own (NumPy, PyTorch and CuPy arrays always get normlab's own).
@@ -410,6 +431,7 @@ class BackendRecord:
     zero_copy_families: frozenset[str] = frozenset()
     costs: Mapping[str, CostModel] = field(default_factory=dict, hash=False)
     inspector: str | None = None
+    kernel_form: int = 1
 
 
 @hookspec

@@ -1,6 +1,10 @@
-"""The op table: for each op, the role of every array it takes and which output may alias which
-input. :mod:`normlab.spec` validates every op from this table and nothing else; a new op (a
-fused one) is a new entry here plus its arithmetic in the backends.
+"""The op table: for each op, what it computes (:class:`Arithmetic`), the role of every array it
+takes, which output may alias which input and which input each gradient belongs to.
+:mod:`normlab.spec` validates every op from this table and nothing else; a new op (a fused one)
+is a new entry here plus its arithmetic in the backends. Every list of ops anywhere (the
+backends', the suite's, the benchmarks') is derived from the table (:func:`names`). This is the
+bottom layer: backends import it to read an op's arithmetic, never re-deriving it from the
+op's name.
 
 Roles of the array arguments:
 
@@ -26,7 +30,9 @@ axes), ``eps``, ``return_stats``/``return_residual`` (flags), ``out``/``residual
 function for the op takes ``kernel_arrays`` positionally (2-D rows, 1-D statistics and
 parameters; an array the call lacks is None), then ``plan`` and, by keyword, its output arrays
 (``out``, ``residual_out``) or ``needs``, and returns ``kernel_returns`` (see
-:mod:`normlab.hookspecs`).
+:mod:`normlab.hookspecs`). RMSNorm's functions have no bias and no mean; a backend whose record
+has ``kernel_form=1`` (every plugin written before that form) takes and returns LayerNorm's
+slots instead, a bias always None and a mean None (:meth:`Op.kernel_arrays_of`).
 
 A fused op names its ``base``: the op it applies after its own first step (``add_layer_norm``
 normalizes ``h = x + residual`` as ``layer_norm`` does). Its gradients are the base op's
@@ -39,10 +45,40 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-__all__ = ["BACKWARD_OPS", "FORWARD_OPS", "FUSED_OPS", "OPS", "Op"]
+__all__ = ["BACKWARD_OPS", "FORWARD_OPS", "FUSED_OPS", "OPS", "Arithmetic", "Op", "names"]
 
 #: The argument of a forward or fused op that carries each output's memory.
 _FORWARD_OUTPUTS: Final = (("y", "out"), ("h", "residual_out"))
+#: The norms: LayerNorm (the row's mean subtracted, scaled by ``1/sqrt(var + eps)``, weight and
+#: bias) and RMSNorm (scaled by ``1/sqrt(mean(x^2) + eps)``, a weight, no bias).
+NORMS: Final = ("layer", "rms")
+#: The steps an op may take before its norm: ``"residual_add"``, ``h = x + residual`` rounded
+#: to x's dtype (to the float32 stream's beside half x), normalized and returned.
+PROLOGUES: Final = ("residual_add",)
+#: The kernel forms a backend's record may declare (``BackendRecord.kernel_form``).
+KERNEL_FORMS: Final = (1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Arithmetic:
+    """What an op computes, as data: its norm (:data:`NORMS`), its direction (``"forward"``:
+    y from x; ``"backward"``: the gradients from dy), the steps before the norm
+    (:data:`PROLOGUES`) and after it (``epilogues``: none among the table's ops)."""
+
+    norm: str
+    direction: str = "forward"
+    prologue: tuple[str, ...] = ()
+    epilogues: tuple[str, ...] = ()
+
+    @property
+    def centred(self) -> bool:
+        """Whether the row's mean is subtracted (LayerNorm)."""
+        return self.norm == "layer"
+
+    @property
+    def residual_add(self) -> bool:
+        """Whether ``h = x + residual`` comes first (the fused ops)."""
+        return "residual_add" in self.prologue
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -57,6 +93,11 @@ class Op:
     outputs: tuple[str, ...]
     kernel_arrays: tuple[str, ...]
     kernel_returns: tuple[str, ...]
+    arithmetic: Arithmetic
+    #: Forward and fused ops: each input that has a gradient, and the gradient of the backward op
+    #: it receives (a fused op's residual receives dx, as x; both also receive the gradient
+    #: arriving at h: ``h = x + residual``).
+    gradient_map: tuple[tuple[str, str], ...] = ()
     stats: tuple[str, ...] = ()
     stats_outputs: tuple[str, ...] = ()
     in_place: frozenset[tuple[str, str]] = frozenset()
@@ -112,6 +153,22 @@ class Op:
         """Whether a single returned result is returned as itself, not in a tuple."""
         return not self.gradients
 
+    def kernel_arrays_of(self, form: int) -> tuple[str, ...]:
+        """The arrays a backend of kernel ``form`` takes: :attr:`kernel_arrays`, or in form 1
+        a forward RMSNorm op's with LayerNorm's bias slot after the weight (always None)."""
+        if form != 1 or self.arithmetic.norm != "rms" or self.arithmetic.direction != "forward":
+            return self.kernel_arrays
+        at = self.kernel_arrays.index("weight") + 1
+        return (*self.kernel_arrays[:at], "bias", *self.kernel_arrays[at:])
+
+    def kernel_returns_of(self, form: int) -> tuple[str, ...]:
+        """What a backend of kernel ``form`` returns: :attr:`kernel_returns`, or in form 1 a
+        forward RMSNorm op's with LayerNorm's mean before rstd (always None)."""
+        if form != 1 or self.arithmetic.norm != "rms" or "rstd" not in self.kernel_returns:
+            return self.kernel_returns
+        at = self.kernel_returns.index("rstd")
+        return (*self.kernel_returns[:at], "mean", *self.kernel_returns[at:])
+
 
 OPS: Final = {
     op.name: op
@@ -136,6 +193,8 @@ OPS: Final = {
             outputs=("y",),
             kernel_arrays=("x", "weight", "bias"),
             kernel_returns=("y", "mean", "rstd"),
+            arithmetic=Arithmetic("layer"),
+            gradient_map=(("x", "x"), ("weight", "weight"), ("bias", "bias")),
             stats_outputs=("mean", "rstd"),
             in_place=frozenset({("y", "x")}),
             default_eps=1e-5,
@@ -158,8 +217,10 @@ OPS: Final = {
             like_x=("x",),
             per_feature=("weight",),
             outputs=("y",),
-            kernel_arrays=("x", "weight", "bias"),
-            kernel_returns=("y", "mean", "rstd"),
+            kernel_arrays=("x", "weight"),
+            kernel_returns=("y", "rstd"),
+            arithmetic=Arithmetic("rms"),
+            gradient_map=(("x", "x"), ("weight", "weight")),
             stats_outputs=("rstd",),
             in_place=frozenset({("y", "x")}),
         ),
@@ -186,6 +247,8 @@ OPS: Final = {
             outputs=("y", "h"),
             kernel_arrays=("x", "residual", "weight", "bias"),
             kernel_returns=("y", "h", "mean", "rstd"),
+            arithmetic=Arithmetic("layer", prologue=("residual_add",)),
+            gradient_map=(("x", "x"), ("residual", "x"), ("weight", "weight"), ("bias", "bias")),
             stats_outputs=("mean", "rstd"),
             in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
             default_eps=1e-5,
@@ -212,8 +275,10 @@ OPS: Final = {
             like_x=("x", "residual"),
             per_feature=("weight",),
             outputs=("y", "h"),
-            kernel_arrays=("x", "residual", "weight", "bias"),
-            kernel_returns=("y", "h", "mean", "rstd"),
+            kernel_arrays=("x", "residual", "weight"),
+            kernel_returns=("y", "h", "rstd"),
+            arithmetic=Arithmetic("rms", prologue=("residual_add",)),
+            gradient_map=(("x", "x"), ("residual", "x"), ("weight", "weight")),
             stats_outputs=("rstd",),
             in_place=frozenset({("y", "x"), ("y", "residual"), ("h", "residual"), ("h", "x")}),
             base="rms_norm",
@@ -237,6 +302,7 @@ OPS: Final = {
             outputs=("dx", "dweight", "dbias"),
             kernel_arrays=("dy", "x", "mean", "rstd", "weight"),
             kernel_returns=("dx", "dweight", "dbias"),
+            arithmetic=Arithmetic("layer", direction="backward"),
             takes_eps=False,
             gradients=("x", "weight", "bias"),
             per_feature_outputs=("dweight", "dbias"),
@@ -259,12 +325,31 @@ OPS: Final = {
             outputs=("dx", "dweight"),
             kernel_arrays=("dy", "x", "rstd", "weight"),
             kernel_returns=("dx", "dweight"),
+            arithmetic=Arithmetic("rms", direction="backward"),
             takes_eps=False,
             gradients=("x", "weight"),
             per_feature_outputs=("dweight",),
         ),
     )
 }
-FORWARD_OPS: Final = tuple(name for name, op in OPS.items() if not op.gradients and op.base is None)
-FUSED_OPS: Final = tuple(name for name, op in OPS.items() if op.base is not None)
-BACKWARD_OPS: Final = tuple(name for name, op in OPS.items() if op.gradients)
+
+
+def names(
+    *, direction: str | None = None, norm: str | None = None, fused: bool | None = None
+) -> tuple[str, ...]:
+    """The names of the table's ops, in table order, whose arithmetic is of ``direction``
+    (``"forward"``, fused ops included, or ``"backward"``), ``norm`` (:data:`NORMS`) and, with
+    ``fused``, that add a residual first or not; None: any."""
+    return tuple(
+        name
+        for name, op in OPS.items()
+        if (direction is None or op.arithmetic.direction == direction)
+        and (norm is None or op.arithmetic.norm == norm)
+        and (fused is None or op.arithmetic.residual_add == fused)
+    )
+
+
+#: The forward ops without a prologue, the fused ops, the backward ops.
+FORWARD_OPS: Final = names(direction="forward", fused=False)
+FUSED_OPS: Final = names(direction="forward", fused=True)
+BACKWARD_OPS: Final = names(direction="backward")

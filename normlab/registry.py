@@ -34,6 +34,7 @@ import pluggy
 from normlab import arrays, hookspecs
 from normlab.errors import BackendError, NormlabWarning
 from normlab.hookspecs import ARRAY_API, CAPABILITIES, BackendRecord
+from normlab.ops import KERNEL_FORMS, Op
 
 __all__ = [
     "Backend",
@@ -135,6 +136,14 @@ class Backend:
     @property
     def batch_invariant(self) -> bool:
         return self.record.batch_invariant
+
+    def kernel_arrays(self, op: Op) -> tuple[str, ...]:
+        """The arrays this backend's function of ``op`` takes, in its record's kernel form."""
+        return op.kernel_arrays_of(self.record.kernel_form)
+
+    def kernel_returns(self, op: Op) -> tuple[str, ...]:
+        """What this backend's function of ``op`` returns, in its record's kernel form."""
+        return op.kernel_returns_of(self.record.kernel_form)
 
     @property
     def available(self) -> bool:
@@ -439,6 +448,8 @@ def _check_record(record: Any, plugin_name: str) -> None:
         problems.append(f"flushes_subnormals must be a bool, got {record.flushes_subnormals!r}")
     if not isinstance(record.batch_invariant, bool):
         problems.append(f"batch_invariant must be a bool, got {record.batch_invariant!r}")
+    if type(record.kernel_form) is not int or record.kernel_form not in KERNEL_FORMS:
+        problems.append(f"kernel_form must be one of {KERNEL_FORMS}, got {record.kernel_form!r}")
     if not isinstance(record.module, str) or not _is_module_path(record.module):
         problems.append(
             f"module must be an import path ('pkg.mod' or 'pkg.mod:attr'), got {record.module!r}"

@@ -74,9 +74,10 @@ class Route:
     which ``invoke(args, direct)`` calls on the op's arguments and whose results it returns as
     the op does; ``prepared``: ``direct`` is the function the backend prepared for the call's
     plan (its optional ``prepare``), not its op function with the plan bound.
-    ``direct_out``: rows as given, with outputs the backend writes itself. ``gather`` takes the
-    kernel arrays out of the op's arguments; ``pick`` what the op returns out of the kernel's
-    results (for ``direct_out``).
+    ``direct_out``: rows as given, with outputs the backend writes itself. ``arrays`` and
+    ``returns`` are what the backend's function takes and returns, in its record's kernel form
+    (:meth:`normlab.ops.Op.kernel_arrays_of`); ``gather`` takes those arrays out of the op's
+    arguments; ``pick`` what the op returns out of the kernel's results (for ``direct_out``).
     """
 
     backend: Backend
@@ -88,6 +89,8 @@ class Route:
     copies: dict[str, str | None]
     writes: frozenset[str]
     inplace_ok: bool
+    arrays: tuple[str, ...]
+    returns: tuple[str, ...]
     gather: Callable[[tuple[Any, ...]], tuple[Any, ...]]
     pick: Callable[[tuple[Any, ...]], Any]
 
@@ -128,11 +131,12 @@ def route(call: Call, choice: Choice) -> Route:
     rows_as_given = _rows_as_given(call, copies)
     function = backend.function(plan.op)
     direct = prepared = invoke = None
+    arrays_taken, returned = backend.kernel_arrays(op), backend.kernel_returns(op)
     if rows_as_given and not call.outputs and (call.needs or not op.gradients):
         prepared = backend.prepared(plan.op, plan)
         keywords = {"needs": call.needs} if op.gradients else dict.fromkeys(op.output_arguments)
         direct = prepared or functools.partial(function, plan=plan, **keywords)
-        invoke = _invoker(op, plan.return_residual, plan.rows)
+        invoke = _invoker(op, arrays_taken, returned, plan.return_residual, plan.rows)
     given_rows = call.outputs & {"y", "h"}
     result = Route(
         backend=backend,
@@ -144,8 +148,10 @@ def route(call: Call, choice: Choice) -> Route:
         copies=copies,
         writes=writes,
         inplace_ok="inplace" in caps,
-        gather=_gatherer(op),
-        pick=_picker(op, plan.return_residual),
+        arrays=arrays_taken,
+        returns=returned,
+        gather=_gatherer(op, arrays_taken),
+        pick=_picker(op, returned, plan.return_residual),
     )
     call.routes[backend] = result
     return result
@@ -167,15 +173,15 @@ def _rows_as_given(call: Call, copies: dict[str, str | None]) -> bool:
 
 
 def _invoker(
-    op: Op, return_residual: bool, rows: int
+    op: Op, taken: tuple[str, ...], returned: tuple[str, ...], return_residual: bool, rows: int
 ) -> Callable[[tuple[Any, ...], Callable[..., Any]], Any]:
     """``invoke(args, f)`` for the direct route of ``op``: ``f`` (the backend's function of
-    the kernel arrays) called on the op's arguments ``args`` — arrays the op does not take
-    (rms_norm's bias) None, statistics as the 1-D rows a backend reads — and what the op returns
-    taken out of its results. Generated straight-line (no loop, no star-arguments): this runs
-    on every call of the direct route."""
+    the kernel arrays ``taken``, returning ``returned``) called on the op's arguments ``args`` —
+    arrays the op does not take (rms_norm's bias in kernel form 1) None, statistics as the 1-D
+    rows a backend reads — and what the op returns taken out of its results. Generated
+    straight-line (no loop, no star-arguments): this runs on every call of the direct route."""
     arguments = []
-    for name in op.kernel_arrays:
+    for name in taken:
         if name not in op.index:
             arguments.append("None")
         elif name in op.stats:
@@ -184,7 +190,7 @@ def _invoker(
             arguments.append(f"args[{op.index[name]}]")
     call = f"f({', '.join(arguments)})"
     names = op.returned(return_stats=False, return_residual=return_residual)
-    picked = [f"r[{op.kernel_returns.index(name)}]" for name in names]
+    picked = [f"r[{returned.index(name)}]" for name in names]
     if op.bare and len(names) == 1:
         body = f"    return {call}{picked[0][1:]}\n"
     else:
@@ -195,12 +201,12 @@ def _invoker(
     return namespace["invoke"]  # type: ignore[no-any-return]
 
 
-def _gatherer(op: Op) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    """The function taking ``op``'s kernel arrays out of its arguments, in order; arrays the op
-    does not take (rms_norm's bias) are None, and come last in the table."""
-    present = [op.index[name] for name in op.kernel_arrays if name in op.index]
-    absent = (None,) * (len(op.kernel_arrays) - len(present))
-    assert all(name in op.index for name in op.kernel_arrays[: len(present)]), op.name
+def _gatherer(op: Op, taken: tuple[str, ...]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The function taking the kernel arrays ``taken`` out of ``op``'s arguments, in order;
+    arrays the op does not take (rms_norm's bias in kernel form 1) are None, and come last."""
+    present = [op.index[name] for name in taken if name in op.index]
+    absent = (None,) * (len(taken) - len(present))
+    assert all(name in op.index for name in taken[: len(present)]), op.name
     getter = operator.itemgetter(*present)
     if len(present) == 1:
         return lambda args: (getter(args), *absent)
@@ -209,11 +215,13 @@ def _gatherer(op: Op) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     return getter
 
 
-def _picker(op: Op, return_residual: bool) -> Callable[[tuple[Any, ...]], Any]:
+def _picker(
+    op: Op, returned: tuple[str, ...], return_residual: bool
+) -> Callable[[tuple[Any, ...]], Any]:
     """The function taking what ``op`` returns without statistics out of its kernel's results
-    (the direct routes'): the result itself when one, else the tuple."""
+    ``returned`` (the direct routes'): the result itself when one, else the tuple."""
     names = op.returned(return_stats=False, return_residual=return_residual)
-    return operator.itemgetter(*(op.kernel_returns.index(name) for name in names))
+    return operator.itemgetter(*(returned.index(name) for name in names))
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +242,7 @@ def run(call: Call, choice: Choice, args: tuple[Any, ...]) -> Any:
                 return r.pick(
                     tuple(
                         result if outputs.get(name) is None else _written(outputs[name])
-                        for name, result in zip(call.op.kernel_returns, results, strict=True)
+                        for name, result in zip(r.returns, results, strict=True)
                     )
                 )
         return _run(call, r or route(call, choice), args)
@@ -319,7 +327,7 @@ def _run(call: Call, r: Route, args: tuple[Any, ...]) -> Any:
         if name in r.writes and _writes_direct(aliasing, inplace_ok)
     }
     kernel_args: list[Any] = []
-    for name in op.kernel_arrays:
+    for name in r.arrays:
         a = given.get(name)
         if a is None:
             kernel_args.append(None)
@@ -330,7 +338,7 @@ def _run(call: Call, r: Route, args: tuple[Any, ...]) -> Any:
         else:
             kernel_args.append(layout.flat(a, plan.normalized_shape))
     results = r.function(*kernel_args, plan=plan, **_keywords(call, backend_outputs))
-    kernel = dict(zip(op.kernel_returns, results, strict=True))
+    kernel = dict(zip(r.returns, results, strict=True))
     placed: dict[str, Any] = {}
     for name in op.returned(plan.return_stats, plan.return_residual):
         value, target = kernel[name], outputs.get(name)

@@ -277,16 +277,17 @@ _NOT_IN_GRAPH: Final = frozenset(
 
 class InGraph(Backend):
     """A backend that records no autograd graph, as the core runs it on torch tensors that
-    require grad or inside a torch trace: its record without ``out`` and ``inplace`` (the core
-    copies the results into the outputs, recorded by torch) and without ``weight_offset``,
+    require grad or inside a torch trace: its record in kernel form 2 (the custom ops' own
+    functions; the served backend is run in its own form), without ``out`` and ``inplace`` (the
+    core copies the results into the outputs, recorded by torch) and without ``weight_offset``,
     ``parameter_dtypes``, ``residual_stream`` and ``quantize`` (the core forms those in torch's
     ops, so that autograd and torch's tracing see them: :mod:`normlab.parameters`,
     :mod:`normlab.residual_stream`, :mod:`normlab.quantize`), each op through its custom op."""
 
     def __init__(self, served: Backend) -> None:
         capabilities = served.capabilities - _NOT_IN_GRAPH
-        super().__init__(dataclasses.replace(served.record, capabilities=capabilities),
-                         served.provided_by)  # fmt: skip
+        record = dataclasses.replace(served.record, capabilities=capabilities, kernel_form=2)
+        super().__init__(record, served.provided_by)
         self.served = served
 
     @property

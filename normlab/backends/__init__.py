@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Final
 
 from normlab.hookspecs import ARRAY_API, BackendRecord, CostModel, cost_table, hookimpl
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS, FUSED_OPS
 
 __all__ = ["BUILTIN_RECORDS", "normlab_backends"]
 
 _FLOATS: Final = frozenset({"float16", "bfloat16", "float32", "float64"})
-_OPS: Final = frozenset({"layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward"})
+_OPS: Final = frozenset(FORWARD_OPS + BACKWARD_OPS)
 #: The fused residual-add ops; a backend without them is served by the core's composition.
-_FUSED_OPS: Final = frozenset({"add_layer_norm", "add_rms_norm"})
+_FUSED_OPS: Final = frozenset(FUSED_OPS)
 
 
 def _shipped_costs() -> dict[str, dict[str, CostModel]]:
@@ -73,6 +74,7 @@ BUILTIN_RECORDS: Final = (
         costs=_COSTS.get("numpy", {}),
         library="numpy",
         description="cache-blocked NumPy ufuncs; float32 accumulation for half types",
+        kernel_form=2,
     ),
     BackendRecord(
         name="numba",
@@ -98,6 +100,7 @@ BUILTIN_RECORDS: Final = (
         costs=_COSTS.get("numba", {}),
         library="numba",
         description="fused, parallel Numba JIT kernels (prange over rows)",
+        kernel_form=2,
     ),
     BackendRecord(
         name="torch",
@@ -112,6 +115,7 @@ BUILTIN_RECORDS: Final = (
         costs=_COSTS.get("torch", {}),
         library="torch",
         description="torch.nn.functional.layer_norm (autograd kept)",
+        kernel_form=2,
     ),
     BackendRecord(
         name="cupy",
@@ -126,6 +130,7 @@ BUILTIN_RECORDS: Final = (
         check=_cupy_check,
         library="cupy-cuda13x",
         description="raw CUDA kernels compiled with NVRTC, loaded through CuPy",
+        kernel_form=2,
     ),
     BackendRecord(
         name="array_api",
@@ -141,6 +146,7 @@ BUILTIN_RECORDS: Final = (
         # the library's own reductions: their order may follow the memory layout (NumPy's sums
         # over a transposed view differ in the last bits from those over C rows)
         batch_invariant=False,
+        kernel_form=2,
     ),
 )
 

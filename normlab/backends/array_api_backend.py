@@ -52,10 +52,10 @@ def layer_norm(
     return _normalize(x, weight, bias, plan, centre=True)
 
 
-def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: None) -> tuple[Any, None, Any]:
+def rms_norm(x: Any, weight: Any, *, plan: Plan, out: None) -> tuple[Any, Any]:
     """RMS-normalize each row of the 2-D ``x``: ``x / sqrt(mean(x^2) + eps) * weight``."""
     y, _, rstd = _normalize(x, weight, None, plan, centre=False)
-    return y, None, rstd
+    return y, rstd
 
 
 def _normalize(

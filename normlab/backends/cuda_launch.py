@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from normlab import ops as table
 from normlab.constants import (
     CUDA_LOOP_THREADS,
     CUDA_MIN_BLOCK,
@@ -64,56 +65,62 @@ __all__ = [
     "vector_width",
 ]
 
-#: The ops of the kernels, and the value of their CENTRE template parameter.
-OPS: Final = {
-    "layer_norm": "true",
-    "rms_norm": "false",
-    "layer_norm_backward": "true",
-    "rms_norm_backward": "false",
-    "add_layer_norm": "true",
-    "add_rms_norm": "false",
-    "layer_norm_quantize": "true",
-    "rms_norm_quantize": "false",
-}
-FORWARD_OPS: Final = ("layer_norm", "rms_norm")
-BACKWARD_OPS: Final = ("layer_norm_backward", "rms_norm_backward")
+#: The ops of the table with CUDA kernels: the forward, backward and fused ones.
+FORWARD_OPS: Final = table.FORWARD_OPS
+BACKWARD_OPS: Final = table.BACKWARD_OPS
 #: The fused residual add + norm ops (``h = x + residual``, then the forward on h).
-FUSED_OPS: Final = ("add_layer_norm", "add_rms_norm")
-#: The quantizing kernels (y never written; q and its row scales instead), for the forward ops
-#: and, given a residual, the fused ones.
-QUANTIZE_OPS: Final = ("layer_norm_quantize", "rms_norm_quantize")
-#: The quantizing op of each forward and fused op.
-QUANTIZING: Final = {
-    "layer_norm": "layer_norm_quantize",
-    "add_layer_norm": "layer_norm_quantize",
-    "rms_norm": "rms_norm_quantize",
-    "add_rms_norm": "rms_norm_quantize",
+FUSED_OPS: Final = table.FUSED_OPS
+#: The quantizing kernels (y never written; q and its row scales instead), one per forward
+#: op's norm and, given a residual, the fused op's too. They are kernels, not ops of the table.
+QUANTIZE_OPS: Final = tuple(f"{op}_quantize" for op in FORWARD_OPS)
+#: The quantizing kernel of each forward and fused op.
+QUANTIZING: Final = {op: f"{table.OPS[op].base or op}_quantize" for op in FORWARD_OPS + FUSED_OPS}
+#: What each kernel computes: an op's arithmetic, a quantizing kernel's that of its op.
+_ARITHMETIC: Final = {op: table.OPS[op].arithmetic for op in FORWARD_OPS + BACKWARD_OPS + FUSED_OPS}
+_ARITHMETIC.update({q: table.OPS[q.removesuffix("_quantize")].arithmetic for q in QUANTIZE_OPS})
+#: The kernels' ops, and the value of their CENTRE template parameter.
+OPS: Final = {op: "true" if a.centred else "false" for op, a in _ARITHMETIC.items()}
+
+
+def _stage(op: str) -> str:
+    """The kind of kernel of ``op``: ``"quantize"``, ``"fused"``, ``"backward"``, ``"forward"``."""
+    if op in QUANTIZE_OPS:
+        return "quantize"
+    arithmetic = _ARITHMETIC[op]
+    return "fused" if arithmetic.residual_add else arithmetic.direction
+
+
+#: The source file (in ``kernels/``) and the name of the rows kernels (``<kernel>_rows``,
+#: ``<kernel>_loop``) of each kind of kernel.
+_SOURCE: Final = {
+    "forward": "layer_norm.cu",
+    "backward": "backward.cu",
+    "fused": "add_norm.cu",
+    "quantize": "quantize.cu",
 }
-#: The source file of each op's kernels (in ``kernels/``).
-SOURCES: Final = (
-    {op: "layer_norm.cu" for op in FORWARD_OPS}
-    | {op: "backward.cu" for op in BACKWARD_OPS}
-    | {op: "add_norm.cu" for op in FUSED_OPS}
-    | {op: "quantize.cu" for op in QUANTIZE_OPS}
-)
-#: The name of each op's rows kernels (``<kernel>_rows``, ``<kernel>_loop``).
-_KERNEL: Final = (
-    {op: "normalize" for op in FORWARD_OPS}
-    | {op: "backward" for op in BACKWARD_OPS}
-    | {op: "add_normalize" for op in FUSED_OPS}
-    | {op: "norm_quantize" for op in QUANTIZE_OPS}
-)
-#: Prefix of the names of each op's kernels.
-_PREFIX: Final = {
-    "layer_norm": "",
-    "rms_norm": "rms_",
-    "layer_norm_backward": "bwd_",
-    "rms_norm_backward": "rms_bwd_",
-    "add_layer_norm": "add_",
-    "add_rms_norm": "add_rms_",
-    "layer_norm_quantize": "q_",
-    "rms_norm_quantize": "rms_q_",
+_ROWS_KERNEL: Final = {
+    "forward": "normalize",
+    "backward": "backward",
+    "fused": "add_normalize",
+    "quantize": "norm_quantize",
 }
+#: The source file of each op's kernels.
+SOURCES: Final = {op: _SOURCE[_stage(op)] for op in OPS}
+_KERNEL: Final = {op: _ROWS_KERNEL[_stage(op)] for op in OPS}
+
+
+def _prefix(op: str) -> str:
+    """The prefix of the names of ``op``'s kernels: ``add_`` for a fused op, ``rms_`` for
+    RMSNorm, then ``bwd_`` (backward) or ``q_`` (quantizing): ``""``, ``"rms_"``, ``"bwd_"``,
+    ``"add_rms_"``, ``"rms_q_"``…"""
+    rms = "" if _ARITHMETIC[op].centred else "rms_"
+    stage = _stage(op)
+    if stage == "fused":
+        return "add_" + rms
+    return rms + {"forward": "", "backward": "bwd_", "quantize": "q_"}[stage]
+
+
+_PREFIX: Final = {op: _prefix(op) for op in OPS}
 #: The kernels of an op: ``rows`` (over rows: y, or dx; ``items`` 0 is the loop kernel), and for
 #: the backward ``partials`` (per-chunk column sums) and ``sum`` (the chunks added per column).
 STAGES: Final = ("rows", "partials", "sum")

@@ -191,12 +191,12 @@ def layer_norm(
     return _launch(x, weight, bias, plan, out)
 
 
-def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
+def rms_norm(x: Any, weight: Any, *, plan: Plan, out: Any) -> tuple[Any, Any]:
     """RMS-normalize each row of the 2-D ``x``, ``y = x / sqrt(mean(x^2) + eps) * weight``; the
-    arrays as for :func:`layer_norm` (``bias`` is always None)."""
+    arrays as for :func:`layer_norm`; ``(y, rstd)``."""
     _refuse_grad(plan)
     y, _, rstd = _launch(x, weight, None, plan, out)
-    return y, None, rstd
+    return y, rstd
 
 
 def _refuse_grad(plan: Plan) -> None:
@@ -221,7 +221,7 @@ def _launch(
     rows, cols = plan.rows, plan.cols
     w, b, param_dtype = _parameters(arrays, weight, bias, plan)
     y = out if out is not None else arrays.empty((rows, cols), x.dtype, x)
-    mean, rstd = _statistics(arrays, plan, x, centre=plan.op == "layer_norm")
+    mean, rstd = _statistics(arrays, plan, x, centre=plan.arithmetic.centred)
     x_at, y_at, w_at, b_at, mean_at, rstd_at = (
         0 if a is None else arrays.address(a) for a in (x, y, w, b, mean, rstd)
     )
@@ -262,13 +262,13 @@ def add_layer_norm(
 
 
 def add_rms_norm(
-    x: Any, residual: Any, weight: Any, bias: None, *, plan: Plan, out: Any, residual_out: Any
-) -> tuple[Any, Any | None, None, Any | None]:
+    x: Any, residual: Any, weight: Any, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any | None, Any | None]:
     """``h = x + residual``, then RMSNorm of ``h``: as :func:`add_layer_norm`;
-    ``(y, h, None, rstd)``."""
+    ``(y, h, rstd)``."""
     _refuse_grad(plan)
     y, h, _, rstd = _launch_fused(x, residual, weight, None, plan, out, residual_out)
-    return y, h, None, rstd
+    return y, h, rstd
 
 
 def _launch_fused(
@@ -284,7 +284,7 @@ def _launch_fused(
     h = None
     if plan.return_residual:
         h = residual_out if residual_out is not None else arrays.empty((rows, cols), x.dtype, x)
-    mean, rstd = _statistics(arrays, plan, x, centre=plan.op == "add_layer_norm")
+    mean, rstd = _statistics(arrays, plan, x, centre=plan.arithmetic.centred)
     x_at, r_at, y_at, h_at, w_at, b_at, mean_at, rstd_at = (
         0 if a is None else arrays.address(a) for a in (x, residual, y, h, w, b, mean, rstd)
     )

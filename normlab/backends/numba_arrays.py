@@ -210,7 +210,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
     compute, bits, shape = k.compute, k.bits, (plan.rows, plan.cols)
     eps, no_stats, stop, offset = plan.eps, k.no_stats, plan.rows, plan.weight_offset
 
-    def run(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None] | None:
+    def run(x: Any, weight: Any, bias: Any) -> tuple[Any, ...] | None:
         params = _array_params(weight, bias, k, compute, offset)
         if params is None:
             return None
@@ -222,7 +222,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
             layer_norm_rows(
                 x.view(bits), y.view(bits), w, b, eps, no_stats, no_stats, centre, 0, stop
             )
-        return y, None, None
+        return (y, None, None) if centre else (y, None)
 
     return run
 
@@ -251,7 +251,7 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
             residual = residual.view(h_type)
         h_kernel: Any = h if h is None or h_type is None else h.view(h_type)
         add_norm_rows(x, residual, y_bits, h_kernel, w, b, eps, no_stats, no_stats, centre, 0, stop)
-        return y, h, None, None
+        return (y, h, None, None) if centre else (y, h, None)
 
     return run
 

@@ -61,6 +61,7 @@ from normlab.backends.numba_quantized import quantized
 from normlab.backends.numba_tensors import TENSORS
 from normlab.errors import NormlabWarning
 from normlab.hookspecs import Plan
+from normlab.ops import OPS
 
 __all__ = [
     "FORWARD_SERIAL_ELEMENTS",
@@ -121,14 +122,14 @@ def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> tuple
     return _FAMILIES[plan.family].normalize(x, weight, bias, plan, k, out, True)
 
 
-def rms_norm(x: Any, weight: Any, bias: None, *, plan: Plan, out: Any) -> tuple[Any, None, Any]:
+def rms_norm(x: Any, weight: Any, *, plan: Plan, out: Any) -> tuple[Any, Any]:
     """RMS-normalize each row of the 2-D ``x``: ``x / sqrt(mean(x^2) + eps) * weight``.
 
-    As :func:`layer_norm` (same kernels, without the centring); returns ``(y, None, rstd)``.
+    As :func:`layer_norm` (same kernels, without the centring); returns ``(y, rstd)``.
     """
     k = kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     y, _, rstd = _FAMILIES[plan.family].normalize(x, weight, None, plan, k, out, False)
-    return y, None, rstd
+    return y, rstd
 
 
 def add_layer_norm(
@@ -147,16 +148,16 @@ def add_layer_norm(
 
 
 def add_rms_norm(
-    x: Any, residual: Any, weight: Any, bias: None, *, plan: Plan, out: Any, residual_out: Any
-) -> tuple[Any, Any, None, Any]:
+    x: Any, residual: Any, weight: Any, *, plan: Plan, out: Any, residual_out: Any
+) -> tuple[Any, Any, Any]:
     """``h = x + residual``, then RMSNorm of ``h``: as :func:`add_layer_norm` without the
-    centring; returns ``(y, h, None, rstd)``."""
+    centring; returns ``(y, h, rstd)``."""
     k = kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     family = _FAMILIES[plan.family]
     y, h, _, rstd = family.add_normalize(
         x, residual, weight, None, plan, k, out, residual_out, False
     )
-    return y, h, None, rstd
+    return y, h, rstd
 
 
 def layer_norm_backward(
@@ -178,22 +179,15 @@ def rms_norm_backward(
 # --------------------------------------------------------------------------------------------
 # The direct route's prepared functions
 
-#: The ops :func:`prepare` serves, and whether each subtracts the row mean (LayerNorm).
-_CENTRED: Final = {
-    "layer_norm": True,
-    "rms_norm": False,
-    "add_layer_norm": True,
-    "add_rms_norm": False,
-}
-
 
 def prepare(op: str, plan: Plan) -> Callable[..., Any] | None:
-    """The direct route's function of ``plan`` (see :mod:`normlab.hookspecs`): for a call that
-    runs on the calling thread (:func:`~normlab.backends.numba_pool.always_serial`) without
-    grad, the family's serial kernel with the plan's work done once; else None. It hands the
-    op's function any call whose arguments it does not read as the kernel does (a weight to
-    convert, a misaligned or strided tensor)."""
-    if op not in _CENTRED or plan.requires_grad:
+    """The direct route's function of ``plan`` (see :mod:`normlab.hookspecs`): for a forward
+    call that runs on the calling thread (:func:`~normlab.backends.numba_pool.always_serial`)
+    without grad, the family's serial kernel with the plan's work done once; else None. It
+    hands the op's function any call whose arguments it does not read as the kernel does (a
+    weight to convert, a misaligned or strided tensor)."""
+    arithmetic = OPS[op].arithmetic
+    if arithmetic.direction != "forward" or plan.requires_grad:
         return None
     k = kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
     if (
@@ -204,42 +198,57 @@ def prepare(op: str, plan: Plan) -> Callable[..., Any] | None:
     family = _FAMILIES.get(plan.family)
     if family is None:
         return None
-    centre = _CENTRED[op]
-    if op.startswith("add_"):
-        function = add_layer_norm if centre else add_rms_norm
-        return _prepared_add_rows(plan, family.serial_add_rows(plan, k, centre), function)
-    return _prepared_rows(
-        plan, family.serial_rows(plan, k, centre), layer_norm if centre else rms_norm
-    )
+    centre = arithmetic.centred
+    if arithmetic.residual_add:
+        add_rows = family.serial_add_rows(plan, k, centre)
+        return (_prepared_add_rows if centre else _prepared_rms_add_rows)(plan, add_rows)
+    rows = family.serial_rows(plan, k, centre)
+    return (_prepared_rows if centre else _prepared_rms_rows)(plan, rows)
 
 
-def _prepared_rows(
-    plan: Plan, run: Callable[..., Any], function: Callable[..., Any]
-) -> Callable[..., Any]:
-    """The prepared function of a norm: ``run`` (the family's serial kernel of ``plan``), or
-    the op's ``function`` where ``run`` does not read the arguments as they are."""
+# The prepared functions of each op: ``run`` (the family's serial kernel of ``plan``, which
+# returns in the op's kernel form), or the op's function where ``run`` does not read the
+# arguments as they are.
 
+
+def _prepared_rows(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
     def normalize_rows(x: Any, weight: Any, bias: Any) -> Any:
         result = run(x, weight, bias)
         if result is None:
-            return function(x, weight, bias, plan=plan, out=None)
+            return layer_norm(x, weight, bias, plan=plan, out=None)
         return result
 
     return normalize_rows
 
 
-def _prepared_add_rows(
-    plan: Plan, run: Callable[..., Any], function: Callable[..., Any]
-) -> Callable[..., Any]:
-    """The prepared function of a fused op: as :func:`_prepared_rows`, with the residual."""
+def _prepared_rms_rows(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
+    def rms_rows(x: Any, weight: Any) -> Any:
+        result = run(x, weight, None)
+        if result is None:
+            return rms_norm(x, weight, plan=plan, out=None)
+        return result
 
+    return rms_rows
+
+
+def _prepared_add_rows(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
     def add_normalize_rows(x: Any, residual: Any, weight: Any, bias: Any) -> Any:
         result = run(x, residual, weight, bias)
         if result is None:
-            return function(x, residual, weight, bias, plan=plan, out=None, residual_out=None)
+            return add_layer_norm(x, residual, weight, bias, plan=plan, out=None, residual_out=None)
         return result
 
     return add_normalize_rows
+
+
+def _prepared_rms_add_rows(plan: Plan, run: Callable[..., Any]) -> Callable[..., Any]:
+    def add_rms_rows(x: Any, residual: Any, weight: Any) -> Any:
+        result = run(x, residual, weight, None)
+        if result is None:
+            return add_rms_norm(x, residual, weight, plan=plan, out=None, residual_out=None)
+        return result
+
+    return add_rms_rows
 
 
 # --------------------------------------------------------------------------------------------

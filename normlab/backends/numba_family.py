@@ -38,10 +38,11 @@ class Family:
     - ``serial_rows(plan, k, centre) -> run`` and ``serial_add_rows(plan, k, centre) -> run``,
       for the direct route's prepared functions of a plan that runs on the calling thread
       without outputs given or statistics: ``run(x, weight, bias)`` (``run(x, residual,
-      weight, bias)``) runs the serial kernel with the plan's work done once and returns
-      exactly what ``normalize`` (``add_normalize``) would, or None, without running
-      anything, for arguments it does not read as they are (a weight to convert, a misaligned
-      tensor, a kernel not compiled yet).
+      weight, bias)``; bias None without ``centre``) runs the serial kernel with the plan's
+      work done once and returns what the op's function returns in kernel form 2 (``(y,
+      None, None)``, RMSNorm ``(y, None)``; the fused ops with h after y), or None, without
+      running anything, for arguments it does not read as they are (a weight to convert, a
+      misaligned tensor, a kernel not compiled yet).
     """
 
     normalize: Callable[[Any, Any, Any, Plan, KernelTypes, Any, bool], tuple[Any, Any, Any]]

@@ -41,7 +41,7 @@ def quantized(
     """q, scale and h of ``plan.op`` on the rows of ``x`` (and ``residual``), in x's family;
     see :mod:`normlab.hookspecs`. New outputs of many MiB come from the output pool."""
     k = kernel_types(plan.dtype, plan.stats_dtype, plan.cols)
-    centre = plan.op in ("layer_norm", "add_layer_norm")
+    centre = plan.arithmetic.centred
     offset = plan.weight_offset
     w = k.ones if weight is None else compute_parameter(_parameter(weight), k.compute, offset)
     b = k.zeros if bias is None else compute_parameter(_parameter(bias), k.compute, 0.0)

@@ -276,7 +276,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
     stored: dict[int, Any] = {}  # entries by id(p_like), for parameters in other types
     entry, half_entry = entries.get(name), entries.get(half_name)
 
-    def run(x: Any, weight: Any, bias: Any) -> tuple[Any, None, None] | None:
+    def run(x: Any, weight: Any, bias: Any) -> tuple[Any, ...] | None:
         nonlocal entry, half_entry
         x_at = x.data_ptr()
         params = _tensor_params(weight, bias, k, compute, x)
@@ -298,7 +298,7 @@ def serial_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., Any]:
             element, compute_like, p_like, x_at, y.data_ptr(), w_at, b_at, offset,
             rows, cols, eps, no_stats, no_stats, centre, 0, rows,
         )  # fmt: skip
-        return y, None, None
+        return (y, None, None) if centre else (y, None)
 
     return run
 
@@ -348,7 +348,7 @@ def serial_add_rows(plan: Plan, k: KernelTypes, centre: bool) -> Callable[..., A
             0 if h is None else h.data_ptr(), w_at, b_at, offset,
             rows, cols, eps, no_stats, no_stats, centre, 0, rows,
         )  # fmt: skip
-        return y, h, None, None
+        return (y, h, None, None) if centre else (y, h, None)
 
     return run
 

@@ -81,14 +81,13 @@ def layer_norm(
 def rms_norm(
     x: np.ndarray,
     weight: np.ndarray | None,
-    bias: None,
     *,
     plan: Plan,
     out: np.ndarray | None,
-) -> tuple[np.ndarray, None, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """RMS-normalize each row of the 2-D ``x``: ``x / sqrt(mean(x^2) + eps) * weight``."""
     y, _, rstd = _normalize(x, weight, None, plan, out, centre=False)
-    return y, None, rstd
+    return y, rstd
 
 
 def _normalize(
@@ -215,15 +214,14 @@ def add_rms_norm(
     x: np.ndarray,
     residual: np.ndarray,
     weight: np.ndarray | None,
-    bias: None,
     *,
     plan: Plan,
     out: np.ndarray | None,
     residual_out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray | None, None, np.ndarray | None]:
-    """``h = x + residual``, then RMSNorm of ``h``; returns ``(y, h, None, rstd)``."""
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``h = x + residual``, then RMSNorm of ``h``; returns ``(y, h, rstd)``."""
     y, h, _, rstd = _add_normalize(x, residual, weight, None, plan, out, residual_out, False)
-    return y, h, None, rstd
+    return y, h, rstd
 
 
 def _add_normalize(

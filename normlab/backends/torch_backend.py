@@ -205,11 +205,10 @@ def _dtype_name(t: torch.Tensor) -> str:
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
-    bias: None,
     *,
     plan: Plan,
     out: Any = None,
-) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``torch.nn.functional.rms_norm`` on the 2-D ``x``; rstd recomputed in float32/64. On
     CPU its ``rstd`` is checked and the bad rows are recomputed (see the module docstring)."""
     if _checked(x) and hasattr(torch, "_fused_rms_norm"):  # private: present in pinned torch
@@ -219,15 +218,15 @@ def rms_norm(
     else:
         y = torch.nn.functional.rms_norm(x, (plan.cols,), weight, plan.eps)
     if not plan.return_stats:
-        return y, None, None
+        return y, None
     wide = x.detach().to(_TORCH_DTYPES[plan.stats_dtype])
     rstd = torch.rsqrt(wide.square().mean(dim=1) + plan.eps)
-    return y, None, rstd
+    return y, rstd
 
 
 def _rms_norm_cpu(
     x: torch.Tensor, weight: torch.Tensor | None, plan: Plan
-) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``torch._fused_rms_norm``, the function ``torch.nn.functional.rms_norm`` runs on CPU
     (torch is pinned), which also returns ``rstd`` (float32 for half x); then the check."""
     y, rstd = torch._fused_rms_norm(x, [plan.cols], weight, plan.eps)
@@ -235,7 +234,7 @@ def _rms_norm_cpu(
     bad = _bad_rows(plan, rstd, centre=False)
     if bad is not None:
         y, (rstd,) = _repair(x, weight, None, plan, _indices(bad), y, (rstd.reshape(plan.rows),))
-    return y, None, rstd.reshape(plan.rows) if plan.return_stats else None
+    return y, rstd.reshape(plan.rows) if plan.return_stats else None
 
 
 def add_layer_norm(
@@ -260,16 +259,15 @@ def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor | None,
-    bias: None,
     *,
     plan: Plan,
     out: Any = None,
     residual_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, None, torch.Tensor | None]:
-    """``h = torch.add(x, residual)``, then :func:`rms_norm` of ``h``; ``(y, h, None, rstd)``."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``h = torch.add(x, residual)``, then :func:`rms_norm` of ``h``; ``(y, h, rstd)``."""
     h = _add(x, residual, residual_out)
-    y, _, rstd = rms_norm(h, weight, None, plan=plan)
-    return y, h if plan.return_residual else None, None, rstd
+    y, rstd = rms_norm(h, weight, plan=plan)
+    return y, h if plan.return_residual else None, rstd
 
 
 def _add(x: torch.Tensor, residual: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import normlab
 import normlab.testing.backward_reference as backward_reference
 from normlab.constants import stats_dtype_for
-from normlab.ops import OPS
+from normlab.ops import FORWARD_OPS, OPS
 from normlab.testing.cases import Case, same_kind
 from normlab.testing.conversions import arrange, conversion, numpy_dtype
 from normlab.testing.default_choice import call_backend, flushes_subnormals
@@ -29,7 +29,7 @@ from normlab.testing.tolerances import assert_close
 __all__ = ["BACKWARD_OPS", "BackwardCase"]
 
 #: forward op -> its backward op.
-BACKWARD_OPS: Final = {"layer_norm": "layer_norm_backward", "rms_norm": "rms_norm_backward"}
+BACKWARD_OPS: Final = {op: f"{op}_backward" for op in FORWARD_OPS}
 
 
 @dataclass(frozen=True)

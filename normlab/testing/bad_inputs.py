@@ -30,6 +30,7 @@ from normlab import (
     ShapeError,
 )
 from normlab.constants import HALF_DTYPES
+from normlab.ops import FUSED_OPS, names
 from normlab.testing.conversions import numpy_dtype
 
 __all__ = ["BAD_INPUTS", "BadInput", "ForeignArray", "Inputs", "bad_inputs_of"]
@@ -146,9 +147,9 @@ class BadInput:
 LN: Final = frozenset({"layer_norm"})
 RMS: Final = frozenset({"rms_norm"})
 #: The fused ops: their calls get a residual like x unless the entry gives one.
-FUSED: Final = frozenset({"add_layer_norm", "add_rms_norm"})
+FUSED: Final = frozenset(FUSED_OPS)
 #: The ops with quantized outputs.
-FORWARD_AND_FUSED: Final = frozenset({"layer_norm", "rms_norm"}) | FUSED
+FORWARD_AND_FUSED: Final = frozenset(names(direction="forward"))
 
 
 _BAD: Final = (

@@ -23,6 +23,7 @@ import numpy as np
 
 import normlab
 from normlab import reference
+from normlab.ops import FORWARD_OPS
 from normlab.ops import OPS as TABLE
 from normlab.testing.conversions import (
     LAYOUTS,
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 #: The ops the suite tests, each where the backend's record lists it.
-OPS: Final = ("layer_norm", "rms_norm")
+OPS: Final = FORWARD_OPS
 
 #: Row lengths that do not fit vector widths, warps or blocks.
 AWKWARD_COLS: Final = (1, 3, 17, 127, 1000, 4097)

@@ -21,7 +21,9 @@ import numpy as np
 
 import normlab
 from normlab import reference
+from normlab.ops import FUSED_OPS as TABLE_FUSED_OPS
 from normlab.ops import OPS
+from normlab.ops import OPS as TABLE
 from normlab.testing.cases import Case, _values, same_kind
 from normlab.testing.conversions import arrange, conversion, driven_family, finfo
 from normlab.testing.default_choice import call_backend
@@ -29,7 +31,7 @@ from normlab.testing.default_choice import call_backend
 __all__ = ["FUSED_OPS", "PAIRS", "FusedCase", "absorbing_offset", "assert_same_bits"]
 
 #: base op -> its fused op.
-FUSED_OPS: Final = {"layer_norm": "add_layer_norm", "rms_norm": "add_rms_norm"}
+FUSED_OPS: Final = {base: fused for fused in TABLE_FUSED_OPS if (base := TABLE[fused].base)}
 
 #: Kinds of (x, residual) pairs, with C = :func:`absorbing_offset` (the dtype's spacing at C
 #: is 2):

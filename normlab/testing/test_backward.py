@@ -33,6 +33,7 @@ from normlab import (
 )
 from normlab.constants import FLOAT_DTYPES, HALF_DTYPES, stats_dtype_for
 from normlab.ops import OPS as TABLE
+from normlab.ops import names
 from normlab.testing.backward_cases import BACKWARD_OPS, BackwardCase
 from normlab.testing.bitwise import same_bits
 from normlab.testing.cases import OPS, Case
@@ -193,7 +194,7 @@ def _check_autograd(s: Subject, forward: Case) -> None:
 
 
 #: The forward ops a training region ends with, fused ones included.
-CHECKPOINTED_OPS: Final = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+CHECKPOINTED_OPS: Final = names(direction="forward")
 
 
 @pytest.mark.parametrize("last", [True, False], ids=["norm-last", "norm-inside"])

@@ -23,6 +23,7 @@ import pytest
 import normlab
 from normlab.constants import FLOAT_DTYPES
 from normlab.ops import OPS as TABLE
+from normlab.ops import names
 from normlab.testing.backward_cases import BACKWARD_OPS
 from normlab.testing.bitwise import same_bits
 from normlab.testing.cases import OPS, Case, LayoutUnavailable, arrange
@@ -260,10 +261,7 @@ def test_backward_rows_alone_and_in_any_batch(s: Subject, op: str, dtype: str) -
 
 
 #: Every gradient of each backward op.
-BACKWARD_NEEDS: Final = {
-    "layer_norm_backward": ("x", "weight", "bias"),
-    "rms_norm_backward": ("x", "weight"),
-}
+BACKWARD_NEEDS: Final = {op: TABLE[op].gradients for op in names(direction="backward")}
 
 
 def _reference_stats(op: str, x: np.ndarray) -> tuple[np.ndarray, ...]:

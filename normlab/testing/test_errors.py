@@ -11,6 +11,8 @@ import pytest
 import normlab
 from normlab import ArgumentError, BackendError, DtypeError
 from normlab.constants import FLOAT_DTYPES
+from normlab.ops import FUSED_OPS
+from normlab.ops import OPS as TABLE
 from normlab.testing.bad_inputs import BAD_INPUTS, FUSED, Inputs, bad_inputs_of
 from normlab.testing.cases import OPS
 from normlab.testing.conversions import arrange, numpy_dtype
@@ -143,7 +145,7 @@ def test_out_whose_rows_overlap(normlab_subject: Subject, op: str) -> None:
 
 
 #: The fused op of each base op.
-FUSED_OF = {"layer_norm": "add_layer_norm", "rms_norm": "add_rms_norm"}
+FUSED_OF = {base: fused for fused in FUSED_OPS if (base := TABLE[fused].base)}
 
 
 @pytest.mark.parametrize("freed", ["x", "weight"])

@@ -27,14 +27,7 @@ from normlab.testing.subject import Subject
 from normlab.testing.tolerances import TOLERANCES
 
 #: The ops with a weight, forward and backward.
-OPS: Final = (
-    "layer_norm",
-    "rms_norm",
-    "add_layer_norm",
-    "add_rms_norm",
-    "layer_norm_backward",
-    "rms_norm_backward",
-)
+OPS: Final = tuple(TABLE)
 #: Offsets models use (Gemma, TE: 1), and one that is not a power of two.
 OFFSETS: Final = (1.0, -0.375)
 #: (weight dtype, bias dtype) pairs: each float dtype as the weight's, beside another as the

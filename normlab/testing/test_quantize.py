@@ -20,6 +20,7 @@ import pytest
 import normlab
 from normlab import arrays, reference
 from normlab.constants import FLOAT_DTYPES
+from normlab.ops import names
 from normlab.quantize import reference as quantized_reference
 from normlab.spec.quantize import LIMITS, MODES, q_dtype
 from normlab.testing.bitwise import same_bits
@@ -27,7 +28,7 @@ from normlab.testing.conversions import numpy_dtype
 from normlab.testing.subject import Subject
 from normlab.testing.tolerances import TOLERANCES
 
-OPS: Final = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+OPS: Final = names(direction="forward")
 #: Static scales: None (dynamic), one inside the range, one so small most values saturate.
 STATICS: Final = (None, 0.03125, 1e-4)
 #: Rows and columns of the calls: an odd row count, more than one block of columns. Row 5 is

@@ -21,6 +21,7 @@ import pytest
 import normlab
 from normlab import costs, dispatch, registry, spec
 from normlab.hookspecs import CostModel, Plan, cost_table
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS
 from tests.support.plugins_for_tests import FakeArray, record
 
 Register = Callable[..., ModuleType]
@@ -255,7 +256,7 @@ def test_zero_copy_families_are_eligible_by_default_explicit_ones_only_when_name
 # The built-in backends' shipped models
 
 
-OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+OPS = FORWARD_OPS + BACKWARD_OPS
 
 
 def test_the_shipped_models_cover_every_builtin_choice() -> None:

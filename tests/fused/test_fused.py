@@ -12,13 +12,14 @@ import pytest
 
 import normlab
 from normlab.errors import ArgumentError, DeviceError, DtypeError, ShapeError
+from normlab.ops import FUSED_OPS
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("numba")
 
 from tests.support.fuzz_model import VALID_FUSED, Fused, check_fused_result, unfused_add  # noqa: E402
 
-OPS = ("add_layer_norm", "add_rms_norm")
+OPS = FUSED_OPS
 BASE = {"add_layer_norm": normlab.layer_norm, "add_rms_norm": normlab.rms_norm}
 BACKENDS = ("numpy", "numba", "torch")
 

@@ -19,10 +19,12 @@ import pytest
 
 from normlab import reference, spec
 from normlab.backends import BUILTIN_RECORDS
+from normlab.ops import FUSED_OPS
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close, conditioning, y_scale
+from tests.support.kernels import kernel_results
 
-OPS = ("add_layer_norm", "add_rms_norm")
+OPS = FUSED_OPS
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: (weight, bias, return_stats); bias only for add_layer_norm.
 VARIANTS = ((True, True, True), (False, False, False), (True, False, True))
@@ -89,14 +91,17 @@ def _fused(
     residual_out: Any = None,
 ) -> Arrays:
     plan = _plan(op, x, w, b, eps, stats, keep_h)
-    result: Arrays = getattr(module, op)(x, r, w, b, plan=plan, out=out, residual_out=residual_out)
-    return result
+    arrays = {"x": x, "residual": r, "weight": w, "bias": b}
+    got = kernel_results(module, op, arrays, plan=plan, out=out, residual_out=residual_out)
+    return got["y"], got["h"], got["mean"], got["rstd"]
 
 
 def _unfused(module: ModuleType, op: str, h: Any, w: Any, b: Any, eps: float, stats: bool) -> Any:
     """``(y, mean, rstd)`` of the backend's own layer_norm / rms_norm of ``h``."""
-    plan = spec.plan(_norm_op(op), h, weight=w, bias=b, eps=eps, return_stats=stats)
-    return getattr(module, _norm_op(op))(h, w, b, plan=plan, out=None)
+    base = _norm_op(op)
+    plan = spec.plan(base, h, weight=w, bias=b, eps=eps, return_stats=stats)
+    got = kernel_results(module, base, {"x": h, "weight": w, "bias": b}, plan=plan, out=None)
+    return got["y"], got["mean"], got["rstd"]
 
 
 def _parameters(op: str, dtype: str, cols: int, weight: bool, bias: bool) -> tuple[Any, Any]:

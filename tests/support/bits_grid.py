@@ -32,12 +32,13 @@ from typing import Any, Final
 import numpy as np
 
 import normlab
+from normlab.ops import names
 from tests.support.paths import DATA
 
 #: Where the snapshot lies.
 SNAPSHOT: Final = DATA / "bits_snapshot.json"
-FORWARD: Final = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
-BACKWARD: Final = ("layer_norm_backward", "rms_norm_backward")
+FORWARD: Final = names(direction="forward")
+BACKWARD: Final = names(direction="backward")
 DTYPES: Final = ("float16", "bfloat16", "float32", "float64")
 #: The subjects: (backend name or None for the default choice, family of the arrays).
 SUBJECTS: Final = {

@@ -28,6 +28,7 @@ import numpy as np
 
 import normlab
 from normlab.hookspecs import Plan
+from normlab.ops import FORWARD_OPS, OPS
 
 #: flaw -> what the kernel then does wrong. ``control`` is the correct pair of kernels.
 FLAWS: Final = {
@@ -171,13 +172,8 @@ QUANTIZE_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("qua
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
 
 #: The ops each kind of mutant provides.
-_FORWARD_OPS: Final = frozenset({"layer_norm", "rms_norm"})
-_ALL_OPS: Final = _FORWARD_OPS | {
-    "layer_norm_backward",
-    "rms_norm_backward",
-    "add_layer_norm",
-    "add_rms_norm",
-}
+_FORWARD_OPS: Final = frozenset(FORWARD_OPS)
+_ALL_OPS: Final = frozenset(OPS)
 
 
 def layer_norm(
@@ -701,7 +697,7 @@ def _torch_plugin(module: types.ModuleType, flaw: str, **record_fields: Any) -> 
     )
 
     def layer_norm(x: Any, weight: Any, bias: Any, *, plan: Plan, out: Any) -> Any:
-        with mock.patch.object(torch_backend, "_half_parameter_grads", return_value=False):
+        with mock.patch.object(torch_backend, "_parameter_grads", return_value=False):
             return torch_backend.layer_norm(x, weight, bias, plan=plan, out=out)
 
     @normlab.hookimpl

@@ -15,6 +15,7 @@ from normlab import reference, spec
 from normlab.backends import numba_backend, numba_forward
 from normlab.testing.conversions import numpy_dtype
 from normlab.testing.tolerances import assert_close, conditioning, y_scale
+from tests.support.kernels import kernel_results
 
 __all__ = [
     "DTYPES",
@@ -55,9 +56,9 @@ def numba_call(
     op: str = "layer_norm",
 ) -> Result:
     plan = spec.plan(op, x, weight=weight, bias=bias, eps=eps, return_stats=stats, out=out)
-    function = numba_backend.layer_norm if op == "layer_norm" else numba_backend.rms_norm
-    result: Result = function(x, weight, bias, plan=plan, out=out)
-    return result
+    arrays = {"x": x, "weight": weight, "bias": bias}
+    got = kernel_results(numba_backend, op, arrays, plan=plan, out=out)
+    return got["y"], got["mean"], got["rstd"]
 
 
 def check_rms(x: Any, weight: Any, eps: float, result: Result) -> None:

@@ -18,10 +18,11 @@ from benchmarks import options as bench_options
 from benchmarks import quantized as bench_quantized
 from benchmarks.report import metrics, runs, tables, terminal
 from benchmarks.report.page import FULL_BUDGET_MINUTES, docs_page, fill
+from normlab.ops import BACKWARD_OPS, FORWARD_OPS
 from tests.support.paths import DATA, ROOT
 
 SHAPES = ([1024, 1024], [1024, 4096], [64, 768], [8, 512, 768])
-OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward")
+OPS = FORWARD_OPS + BACKWARD_OPS
 #: Seconds of each call on every shape (bytes do not matter to the time ratios), keyed by
 #: (kind, op, subject, mode); the copy limits belong to no op.
 BASE = {

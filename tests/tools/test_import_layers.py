@@ -22,6 +22,7 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 BACKENDS_MAY_IMPORT = {
     "normlab.errors",
     "normlab.scalars",
+    "normlab.ops",
     "normlab.hookspecs",
     "normlab.constants",
 }

@@ -20,10 +20,10 @@ torch = pytest.importorskip("torch")
 from torch._dynamo.utils import counters, orig_code_map  # noqa: E402  (after the skip)
 
 import normlab  # noqa: E402
+from normlab.ops import names  # noqa: E402
 
 #: normlab's source folder: no frame compiled by dynamo may come from it.
 PACKAGE = os.path.dirname(normlab.__file__)
-FORWARD = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
 
 
 def _options(op: str) -> Iterator[str]:
@@ -37,12 +37,12 @@ def _options(op: str) -> Iterator[str]:
 
 CASES = [
     (op, dtype, option)
-    for op in FORWARD
+    for op in names(direction="forward")
     for dtype in ("float16", "bfloat16")
     for option in _options(op)
 ] + [
     (op, dtype, option)
-    for op in ("layer_norm_backward", "rms_norm_backward")
+    for op in names(direction="backward")
     for dtype in ("float16", "bfloat16")
     for option in ("plain", "float32-parameters")
 ]

@@ -33,7 +33,7 @@ from normlab.constants import (
     FLOAT_DTYPES,
 )
 from normlab.errors import BackendError
-from normlab.ops import OPS
+from normlab.ops import FORWARD_OPS, OPS
 from normlab.testing.conversions import numpy_dtype
 from tests.support import fake_cupy as fake_cupy_module
 from tests.support.cuda_source import parameter_names
@@ -41,7 +41,7 @@ from tests.support.host_memory import HostArray, host_view
 
 ALIGNED = [0x7F0000000000, 0x7F0000100000, 0x7F0000200000, None]  # dy, x, dx, weight
 SOURCE = (cuda_compile.KERNEL_DIR / "backward.cu").read_text()
-FORWARD_OP = {"layer_norm_backward": "layer_norm", "rms_norm_backward": "rms_norm"}
+FORWARD_OP = {f"{op}_backward": op for op in FORWARD_OPS}
 
 
 KERNELS = {
@@ -576,7 +576,7 @@ def test_a_plan_that_requires_grad_never_reaches_the_kernels(
     needs = frozenset({"x"})
     calls = [
         lambda: cupy_backend.layer_norm("x", "w", "b", plan=plan, out=None),
-        lambda: cupy_backend.rms_norm("x", "w", None, plan=rms, out="y"),
+        lambda: cupy_backend.rms_norm("x", "w", plan=rms, out="y"),
         lambda: cupy_backend.layer_norm_backward("dy", "x", "m", "r", "w", plan=plan, needs=needs),
         lambda: cupy_backend.rms_norm_backward("dy", "x", "r", "w", plan=rms, needs=needs),
     ]

@@ -34,6 +34,7 @@ from normlab.backends.cuda_launch import (
 from normlab.constants import FLOAT_DTYPES
 from tests.support import fake_cupy as fake_cupy_module
 from tests.support.host_memory import HostArray, host_view
+from tests.support.kernels import kernel_results
 
 ARCHS = ("sm_80", "sm_90")
 AWKWARD_COLS = (1, 3, 17, 127, 1000, 4097, 65536, 262144)
@@ -813,7 +814,9 @@ def test_the_launch_passes_the_weight_offset(fake_cupy: Any, op: str, dtype: str
     w = (0.1 * rng.standard_normal(cols)).astype(dtype)
     base = spec.plan(op, x, weight=w, eps=1e-5, return_stats=True)
     plan = dataclasses.replace(base, family="cupy", weight_offset=1.0)
-    y = getattr(fake_cupy, op)(HostArray(x), HostArray(w), None, plan=plan, out=None)[0]
+    y = kernel_results(
+        fake_cupy, op, {"x": HostArray(x), "weight": HostArray(w)}, plan=plan, out=None
+    )["y"]
     formed = w.astype(plan.compute_dtype) + 1
     want = getattr(reference, op)(x, weight=formed, eps=1e-5)[0]
     tol = 1e-3 if dtype == "float16" else 1e-6
@@ -834,14 +837,14 @@ def test_the_rms_launch_passes_what_the_kernel_reads(
     x = x[::-1] if layout == "reversed" else x
     w = None if weight is None else rng.standard_normal(cols).astype(weight)
     plan = dataclasses.replace(spec.plan("rms_norm", x, weight=w, return_stats=True), family="cupy")
-    y, mean, rstd = fake_cupy.rms_norm(
-        HostArray(x), None if w is None else HostArray(w), None, plan=plan, out=None
+    y, rstd = fake_cupy.rms_norm(
+        HostArray(x), None if w is None else HostArray(w), plan=plan, out=None
     )
     want_y, want_rstd = reference.rms_norm(x, weight=w)  # eps None: finfo(dtype).eps
     tol = 1e-3 if dtype == "float16" else 1e-12
     np.testing.assert_allclose(y.a, want_y, rtol=tol, atol=tol)
     np.testing.assert_allclose(rstd.a, want_rstd[:, 0], rtol=1e-6)
-    assert mean is None and y.a.dtype == x.dtype and rstd.a.dtype == plan.stats_dtype
+    assert y.a.dtype == x.dtype and rstd.a.dtype == plan.stats_dtype
 
 
 def test_the_launch_writes_out_in_place(fake_cupy: Any) -> None:
@@ -871,10 +874,11 @@ def test_the_fused_launch_passes_what_the_kernel_reads(
     b = rng.standard_normal(cols).astype(np.float32) if op == "add_layer_norm" else None
     base = spec.plan(op.removeprefix("add_"), x, weight=w, bias=b, eps=1e-5, return_stats=True)
     plan = dataclasses.replace(base, op=op, family="cupy", return_residual=keep_h)
-    y, h, mean, rstd = getattr(fake_cupy, op)(
-        HostArray(x), HostArray(r), HostArray(w), None if b is None else HostArray(b),
-        plan=plan, out=None, residual_out=None,
-    )  # fmt: skip
+    arrays = {"x": HostArray(x), "residual": HostArray(r), "weight": HostArray(w)}
+    if b is not None:
+        arrays["bias"] = HostArray(b)
+    got = kernel_results(fake_cupy, op, arrays, plan=plan, out=None, residual_out=None)
+    y, h, mean, rstd = got["y"], got["h"], got["mean"], got["rstd"]
     h_want = x + r
     if op == "add_layer_norm":
         want_y, want_mean, want_rstd = reference.layer_norm(h_want, weight=w, bias=b, eps=1e-5)

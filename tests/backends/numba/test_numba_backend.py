@@ -109,8 +109,9 @@ def test_small_direct_calls_run_the_prepared_function_bitwise_the_op(
             finally:
                 call.routes[numba_record] = route
             assert ran == [case]
-            want = function(*inputs, w, bias, plan=call.plan, **outputs)
-            prepared = route.direct(*inputs, w, bias)
+            parameters = (w, bias) if centred else (w,)
+            want = function(*inputs, *parameters, plan=call.plan, **outputs)
+            prepared = route.direct(*inputs, *parameters)
             assert len(prepared) == len(want), case
             assert all(same_bits(p, v) for p, v in zip(prepared, want, strict=True)), case
             returned = want[:2] if keep_h else want[:1]
