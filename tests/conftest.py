@@ -118,6 +118,28 @@ def cuda_cache_root(
     return Path(cache.mkdir("normlab-cubins"))
 
 
+@pytest.fixture(scope="session")
+def cubins(cuda_cache_root: Path) -> Callable[[str], list[Any]]:
+    """``cubins(arch)``: every CUDA kernel compiled for ``arch`` into the shared cubin cache
+    (:func:`cuda_cache_root`) and its reports, once for all xdist workers: a worker holds a
+    lock on the architecture while it compiles, and the others load what it compiled (compiling
+    one architecture takes minutes; two workers compiling it at once took twice that)."""
+    import fcntl
+
+    from normlab.backends import cuda_compile
+
+    compiled: dict[str, list[Any]] = {}
+
+    def compile_once(arch: str) -> list[Any]:
+        if arch not in compiled:
+            with (cuda_cache_root / f"{arch}.lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                compiled[arch] = cuda_compile.compile_all(arch, cache_dir=cuda_cache_root / "cuda")
+        return compiled[arch]
+
+    return compile_once
+
+
 @pytest.fixture(params=["numpy", "torch"])
 def lib(request: pytest.FixtureRequest) -> registry.Backend:
     """The built-in backend of one array family; its ``from_numpy``/``to_numpy`` convert arrays."""

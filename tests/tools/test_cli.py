@@ -437,11 +437,13 @@ def test_kernels(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     cuda_cache_root: Path,
+    cubins: Callable[[str], list[object]],
 ) -> None:
     cuda_compile = pytest.importorskip("normlab.backends.cuda_compile")
     problem = cuda_compile.nvrtc_problem()
     if problem is not None:
         pytest.skip(problem)
+    cubins("sm_90")  # compiled once for every test that needs them (tests/conftest.py)
     monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cuda_cache_root))  # the NVRTC tests' cubins
     status = cli.main(["kernels", "--arch", "sm_90"])
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -611,12 +612,16 @@ def test_the_core_runs_cupy_through_the_custom_ops(torch_plan: Any) -> None:
 
 
 def test_normlab_kernels_lists_the_backward_kernels(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cuda_cache_root: Path
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    cuda_cache_root: Path,
+    cubins: Callable[[str], list[Any]],
 ) -> None:
     if cuda_compile.nvrtc_problem() is not None:
         pytest.skip(f"NVRTC is unavailable: {cuda_compile.nvrtc_problem()}")
     from normlab import cli
 
+    cubins("sm_90")  # compiled once for every test that needs them (tests/conftest.py)
     monkeypatch.setenv("NORMLAB_CACHE_DIR", str(cuda_cache_root))  # the NVRTC tests' cubins
     monkeypatch.setenv("COLUMNS", "200")  # names unshortened, whatever width the runner set
     assert cli.main(["kernels", "--arch", "sm_90"]) == 0

@@ -13,6 +13,7 @@ import inspect
 import json
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +48,13 @@ def _nvrtc_or_skip() -> None:
         pytest.skip(f"NVRTC is unavailable: {problem}")
 
 
-@pytest.fixture(scope="module")
-def cubin_cache(cuda_cache_root: Path) -> Path:
-    """The cubins the NVRTC tests share (tests/conftest.py)."""
-    return cuda_cache_root / "cuda"
-
-
 @pytest.fixture(scope="module", params=ARCHS)
-def reports(request: pytest.FixtureRequest, cubin_cache: Path) -> list[cuda_compile.KernelReport]:
+def reports(
+    request: pytest.FixtureRequest, cubins: Callable[[str], list[cuda_compile.KernelReport]]
+) -> list[cuda_compile.KernelReport]:
+    """Every kernel compiled for the architecture, once for all tests (tests/conftest.py)."""
     _nvrtc_or_skip()
-    return cuda_compile.compile_all(request.param, cache_dir=cubin_cache)
+    return cubins(request.param)
 
 
 # --------------------------------------------------------------------------------------------
