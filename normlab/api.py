@@ -9,20 +9,7 @@ import operator
 from collections.abc import Callable
 from typing import Any, Final
 
-from normlab import (
-    arrays,
-    autograd,
-    casting,
-    composition,
-    dispatch,
-    dynamo,
-    parameters,
-    registry,
-    residual_stream,
-    route,
-    spec,
-)
-from normlab import quantize as quantization
+from normlab import arrays, autograd, composition, dispatch, dynamo, pipeline, registry, route, spec
 from normlab.errors import ArgumentError, NormlabError
 from normlab.ops import OPS, Op
 
@@ -90,30 +77,25 @@ def _validated_run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
 
 
 def _reshaped(op: Op, call: spec.Call, args: tuple[Any, ...], named: str | None) -> Any:
-    """A call the core reshapes before a backend sees it, unless the backend, as the call runs
-    it, takes it as given: a composed casting order (:mod:`normlab.casting`) or a float32
-    residual stream beside half x (:mod:`normlab.residual_stream`), whose own ops run through
-    :func:`_run` again; quantized outputs (:mod:`normlab.quantize`), written by the backend or
-    quantized from its float32 y; parameters (an offset, another dtype), formed first
-    (:mod:`normlab.parameters`) and the call validated and chosen again for them."""
-    if call.quantize is not None:
-        choice = dispatch.choose(call.plan, named)
-        seen = choice if _composed(op, call, choice) else _seen(op, call, choice, args)
-        return quantization.run(
-            call, args, seen, lambda base, base_args: _run(base, base_args, named)
-        )
-    if call.casting != "exact":
-        return casting.run(call, args, lambda base, base_args: _run(base, base_args, named))
+    """A call with options (:mod:`normlab.pipeline`): served by the chosen backend, as the call
+    runs it, when it takes every option as given; else the core composes the first, whose own
+    calls go through :func:`_run` again (the parameters: the call of the formed arguments,
+    validated and chosen again, a backward op's parameter gradients in the caller's dtypes)."""
     choice = dispatch.choose(call.plan, named)
-    if not _composed(op, call, choice):
-        seen = _seen(op, call, choice, args)
-        if parameters.native(call, seen) and residual_stream.native(call, seen):
-            return _ran(op, call, seen, args, args)
-    if call.residual_stream:
-        return residual_stream.run(call, args, lambda base, base_args: _run(base, base_args, named))
-    formed = parameters.composed(call, args)
-    formed_call = spec.validated(op, formed)
-    return _routed(op, formed_call, dispatch.choose(formed_call.plan, named), formed, args)
+    composed = _composed(op, call, choice)
+    seen = choice if composed else _seen(op, call, choice, args)
+    step = pipeline.resolve(call, seen, composed)
+    option = step.option
+    if step.native:
+        if option is not None and option.serve is not None:
+            return option.serve(call, args, seen)
+        return _ran(op, call, seen, args, args)
+    assert option is not None, "a composed step has its option"
+    if option.formed is not None:
+        result = _run(op, option.formed(call, args), named)
+        return _in_parameter_dtype(op, args, result) if op.per_feature_outputs else result
+    assert option.compose is not None, option.title
+    return option.compose(call, args, seen, lambda base, base_args: _run(base, base_args, named))
 
 
 def _routed(
@@ -483,36 +465,21 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
     lines.append(f"  named backend: {named or 'none'}; preference: {preference or 'none'}")
     try:
         choice = dispatch.choose(plan, named)
-        if call.quantize is not None:
-            lines.append(f"  quantized outputs: {_quantized_line(table, call, choice, args)}")
-            if not quantization.native(call, _seen_or_composed(table, call, choice, args)):
-                return "\n".join(lines)
-        if call.residual_stream:
-            seen = _seen(table, call, choice, args)
-            if not _composed(table, call, choice) and residual_stream.native(call, seen):
-                lines.append(
-                    f"  residual stream: residual is float32 beside {plan.dtype} x; "
-                    f"{choice.backend.name} takes it as given: h = float32(x) + residual kept "
-                    "in float32, y the norm of that h in x's dtype"
-                )
-            else:
-                lines.append(
-                    f"  residual stream: residual is float32 beside {plan.dtype} x; the core "
-                    f"adds float32(x) + residual in float32 with x's library, runs {table.base} "
-                    f"of that h as a call of its own (explain(h, op={table.base!r}) shows its "
-                    "choice) and rounds y to x's dtype"
-                )
-                return "\n".join(lines)
-        if call.parameters:
-            native = not _composed(table, call, choice) and parameters.native(
-                call, _seen(table, call, choice, args)
-            )
-            by = choice.backend.name if native else None
-            lines.append(f"  parameters: {parameters.described(call, by)}")
-            if not native:
-                call = spec.validated(table, parameters.composed(call, args))
+        if call.reshaped:
+            composed = _composed(table, call, choice)
+            seen = choice if composed else _seen(table, call, choice, args)
+            step = pipeline.resolve(call, seen, composed)
+            if not step.native:
+                option = step.option
+                assert option is not None, "a composed step has its option"
+                lines.append(f"  {option.title}: {option.describe(call, seen, False)}")
+                if option.formed is None:  # its own calls explain themselves
+                    return "\n".join(lines)
+                call = spec.validated(table, option.formed(call, args))
                 plan = call.plan
                 choice = dispatch.choose(plan, named)
+            else:
+                lines.extend(f"  {o.title}: {o.describe(call, seen, True)}" for o in step.options)
     except NormlabError as exc:
         lines.append(f"  no choice: {exc}")
         return "\n".join(lines)
@@ -545,33 +512,6 @@ def explain(*args: Any, op: str = "layer_norm", **kwargs: Any) -> str:
         notes = backend_notes(x, plan=plan)
         lines.extend(f"  {line}" for line in notes.splitlines())
     return "\n".join(lines)
-
-
-def _seen_or_composed(
-    op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...]
-) -> dispatch.Choice:
-    """``choice`` as the call runs it: composed by the core, or as torch must see it."""
-    return choice if _composed(op, call, choice) else _seen(op, call, choice, args)
-
-
-def _quantized_line(op: Op, call: spec.Call, choice: dispatch.Choice, args: tuple[Any, ...]) -> str:
-    """explain()'s line on a call's quantized outputs: the mode, the scale, who quantizes."""
-    scale = (
-        "dynamic per-row scale"
-        if call.quantize_scale is None
-        else f"static scale {call.quantize_scale!r}"
-    )
-    seen = _seen_or_composed(op, call, choice, args)
-    if quantization.native(call, seen):
-        return (
-            f"{call.quantize}, {scale}; {choice.backend.name} writes q and scale in its own pass "
-            "over each row (y never in memory)"
-        )
-    base = op.base or op.name
-    return (
-        f"{call.quantize}, {scale}; the core runs {base} for y in float32 (explain it without "
-        "quantize= for its choice) and quantizes it with x's library"
-    )
 
 
 def _invariance(backend: registry.Backend, named: bool) -> str:

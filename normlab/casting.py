@@ -19,23 +19,25 @@ is per row or elementwise: a row's bits do not depend on its batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import array_api_compat
 
 from normlab import arrays, spec
-from normlab.ops import OPS, Op
+from normlab.dispatch import Choice
+from normlab.ops import OPS
+from normlab.option import BaseRun, Option
 from normlab.spec.aliasing import output_aliasing
 from normlab.spec.call import Call
 from normlab.spec.casting import normalized_dtype, promoted
 
-__all__ = ["run"]
+__all__ = ["OPTION", "compose"]
 
 
-def run(call: Call, args: tuple[Any, ...], base_run: Callable[[Op, tuple[Any, ...]], Any]) -> Any:
+def compose(call: Call, args: tuple[Any, ...], choice: Choice, base_run: BaseRun) -> Any:
     """What ``rms_norm``/``add_rms_norm`` return for ``call`` (a composed casting, a weight);
-    ``base_run`` runs a call of an op from its arguments in table order (the public route)."""
+    ``base_run`` runs a call of an op from its arguments in table order (the public route),
+    where each is chosen afresh (``choice``, the call's, is not used)."""
     op, plan = call.op, call.plan
     given = dict(zip(op.arguments, args, strict=True))
     if call.outputs:
@@ -83,3 +85,26 @@ def _library_dtype(name: str, *like: Any) -> Any:
         if arrays.info(a).dtype == name:
             return a.dtype
     return getattr(array_api_compat.array_namespace(like[0]), name)
+
+
+def described(call: Call, choice: Choice, natively: bool) -> str:
+    """explain()'s line on the casting order of ``call``: the core composes every order."""
+    plan = call.plan
+    assert plan.weight_dtype is not None, "composed only with a weight"
+    rounded_to = normalized_dtype(call.casting, plan.dtype, plan.weight_dtype)
+    product = promoted(rounded_to, plan.weight_dtype)
+    return (
+        f"{call.casting}: the core runs {call.op.name} without the weight (explain it without "
+        f"weight= and casting= for its choice), rounds x̂ to {rounded_to} and multiplies it by "
+        f"the {plan.weight_dtype} weight in {product}"
+    )
+
+
+OPTION: Final = Option(
+    title="casting",
+    capabilities=frozenset(),
+    applies=lambda call: call.casting != "exact",
+    native=lambda call, choice: False,  # no backend declares an order of its own
+    describe=described,
+    compose=compose,
+)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from normlab import arrays, autograd, route, spec
+from normlab import autograd, route, spec
 from normlab.dispatch import Choice
 from normlab.ops import OPS
+from normlab.residual import residual_sum
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
 
@@ -29,10 +30,7 @@ def run(call: Call, choice: Choice, args: tuple[Any, ...]) -> Any:
     given = dict(zip(op.arguments, args, strict=True))
     if call.outputs:
         output_aliasing(op, {name: given[name] for name in op.arrays}, call.given_outputs(args))
-    h = given["x"] + given["residual"]  # the unfused add itself: rounded to x's dtype
-    if given["residual_out"] is not None:
-        arrays.copy_into(given["residual_out"], h)
-        h = given["residual_out"]
+    h = residual_sum(call, given)  # the unfused add itself: rounded to x's dtype
     assert op.base is not None, op.name
     base = OPS[op.base]
     base_given = {**given, "x": h, "normalized_shape": None, "axis": plan.axes, "eps": plan.eps}

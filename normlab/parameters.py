@@ -29,9 +29,10 @@ import array_api_compat
 from normlab import arrays
 from normlab.dispatch import Choice
 from normlab.hookspecs import Plan
+from normlab.option import Option
 from normlab.spec import Call
 
-__all__ = ["composed", "described", "native"]
+__all__ = ["OPTION", "composed", "described", "native"]
 
 
 def native(call: Call, choice: Choice) -> bool:
@@ -69,9 +70,9 @@ def composed(call: Call, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(given)
 
 
-def described(call: Call, backend: str | None) -> str:
+def described(call: Call, choice: Choice, natively: bool) -> str:
     """What is done with ``call``'s parameters, in a line of :func:`normlab.explain`: the
-    chosen ``backend`` takes them as given (:func:`native`), or (None) :func:`composed`."""
+    chosen backend takes them as given (:func:`native`), or :func:`composed`."""
     plan = call.plan
     formed = []
     if "weight_offset" in call.parameters:
@@ -81,9 +82,9 @@ def described(call: Call, backend: str | None) -> str:
         for name in ("weight", "bias")
         if name in call.parameters and not (name == "weight" and "weight_offset" in call.parameters)
     )
-    if backend is not None:
+    if natively:
         return (
-            f"{backend} takes them as given and forms {', '.join(formed)} in "
+            f"{choice.backend.name} takes them as given and forms {', '.join(formed)} in "
             f"{plan.compute_dtype} itself, in its pass over the parameters"
         )
     return (
@@ -97,3 +98,13 @@ def _in_compute_dtype(p: Any, plan: Plan, offset: float) -> Any:
     xp = array_api_compat.array_namespace(p)
     converted = arrays.astype(p, getattr(xp, plan.compute_dtype))
     return converted + offset if offset else converted
+
+
+OPTION: Final = Option(
+    title="parameters",
+    capabilities=frozenset(_TAKEN_WITH.values()),
+    applies=lambda call: bool(call.parameters),
+    native=native,
+    describe=described,
+    formed=composed,
+)

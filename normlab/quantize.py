@@ -16,9 +16,10 @@ and scale, float32 with the statistics' keepdims shape, such that ``q Â· scale â
 
 :func:`reference` is that quantizer in the array's own library; a call is bitwise the chosen
 backend's float32 y followed by it. A backend that declares ``"quantize"`` (numba) writes q
-and scale in its own pass over each row, with y never in memory (:func:`native`); for the
-others the core runs the backend's op for y in float32 and quantizes it (:func:`run`). Every
-step is per row: a row's bits do not depend on its batch.
+and scale in its own pass over each row, with y never in memory (:func:`native`,
+:func:`serve`); for the others the core runs the backend's op for y in float32 and quantizes
+it (:func:`compose`); :mod:`normlab.pipeline` decides which. Every step is per row: a row's
+bits do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -28,92 +29,117 @@ import dataclasses
 import importlib
 import math
 import sys
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import array_api_compat
 
-from normlab import arrays, parameters, residual_stream, route
+from normlab import arrays, route
 from normlab.dispatch import Choice
-from normlab.ops import OPS, Op
+from normlab.ops import OPS
+from normlab.option import BaseRun, Option
+from normlab.residual import residual_sum
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
 from normlab.spec.casting import promoted
 from normlab.spec.quantize import LIMITS, q_dtype
 
-__all__ = ["e4m3_bits", "native", "q_dtype_of", "reference", "run"]
+__all__ = ["OPTION", "compose", "e4m3_bits", "native", "q_dtype_of", "reference", "serve"]
 
 #: The smallest normal number of float8 e4m3fn (its largest: ``LIMITS["fp8_e4m3"]``).
 _FP8_MIN_NORMAL = 2.0**-6
 
 
 def native(call: Call, choice: Choice) -> bool:
-    """Whether the chosen backend (as the call runs it) writes the quantized outputs of ``call``
-    itself: it declares ``"quantize"`` and takes the call's other options as given, and the call
-    has no statistics, no graph, no casting order and C-contiguous rows in x's axes (the
-    normalized ones last)."""
+    """Whether the chosen backend (as the call runs it) can write the quantized outputs of
+    ``call`` itself: it declares ``"quantize"``, and the call has no statistics, no graph and
+    C-contiguous rows in x's axes (the normalized ones last). It does so only where it takes
+    every other option of the call as given too (:mod:`normlab.pipeline`)."""
     plan, op = call.plan, call.op
     return (
         "quantize" in choice.backend.capabilities
-        and not choice.composed
         and not plan.return_stats
         and not plan.requires_grad
         and not plan.empty
-        and call.casting == "exact"
         and call.permutation is None
         and not call.non_native
         and all(call.strides[name] == (plan.cols, 1) for name in op.like_x)
-        and parameters.native(call, choice)
-        and residual_stream.native(call, choice)
     )
 
 
-def run(
-    call: Call,
-    args: tuple[Any, ...],
-    choice: Choice,
-    base_run: Callable[[Op, tuple[Any, ...]], Any],
-) -> Any:
-    """What the op of ``call`` (with ``quantize``) returns: ``(q, scale)``, then h for a fused
-    op with ``return_residual``, then the statistics with ``return_stats``. ``choice`` is the
-    backend as the call runs it; ``base_run`` runs a call of an op from its arguments in table
-    order (the public route)."""
+def serve(call: Call, args: tuple[Any, ...], choice: Choice) -> Any:
+    """What the op of ``call`` (with ``quantize``) returns, written by the chosen backend's
+    ``quantized`` function: ``(q, scale)``, then h for a fused op with ``return_residual``."""
+    outs = _outputs(call, args)
+    q, scale, h = _native(call, args, choice, _native_plan(call, choice))
+    return _returned(call, outs, q, scale, h, ())
+
+
+def compose(call: Call, args: tuple[Any, ...], choice: Choice, base_run: BaseRun) -> Any:
+    """What the op of ``call`` (with ``quantize``) returns, composed by the core: ``(q,
+    scale)``, then h for a fused op with ``return_residual``, then the statistics with
+    ``return_stats``; ``base_run`` runs the op for y in float32 (the public route, where it is
+    chosen afresh: ``choice``, the call's, is not used)."""
+    outs = _outputs(call, args)
+    given = dict(zip(call.op.arguments, args, strict=True))
+    q, scale, h, stats = _composed(call, given, outs, base_run)
+    return _returned(call, outs, q, scale, h, stats)
+
+
+def described(call: Call, choice: Choice, natively: bool) -> str:
+    """explain()'s line on the quantized outputs of ``call``: the mode, the scale, who
+    quantizes."""
+    scale = (
+        "dynamic per-row scale"
+        if call.quantize_scale is None
+        else f"static scale {call.quantize_scale!r}"
+    )
+    if natively:
+        return (
+            f"{call.quantize}, {scale}; {choice.backend.name} writes q and scale in its own pass "
+            "over each row (y never in memory)"
+        )
+    base = call.op.base or call.op.name
+    return (
+        f"{call.quantize}, {scale}; the core runs {base} for y in float32 (explain it without "
+        "quantize= for its choice) and quantizes it with x's library"
+    )
+
+
+def _outputs(call: Call, args: tuple[Any, ...]) -> dict[str, Any]:
+    """The caller's arrays for q, scale and the statistics, by name (checked for overlaps with
+    the inputs and h); empty when the call gives none."""
+    if not call.outputs:
+        return {}
     op, plan = call.op, call.plan
-    outs: dict[str, Any] = {}
-    if call.outputs:
-        given = dict(zip(op.arguments, args, strict=True))
-        out = given["out"]
-        entries = out if isinstance(out, tuple) else (out,)
-        names = ("q", "scale", *(op.stats_outputs if plan.return_stats else ()))
-        outs = dict(zip(names, entries, strict=False))
-        outputs = {**outs, "h": given.get("residual_out")}
-        output_aliasing(op, {name: given[name] for name in op.arrays}, outputs)
-    quantized_plan = _native_plan(call, choice)
-    if quantized_plan is not None:
-        q, scale, h = _native(call, args, choice, quantized_plan)
-        stats: tuple[Any, ...] = ()
-    else:
-        given = dict(zip(op.arguments, args, strict=True))
-        q, scale, h, stats = _composed(call, given, outs, base_run)
+    given = dict(zip(op.arguments, args, strict=True))
+    out = given["out"]
+    entries = out if isinstance(out, tuple) else (out,)
+    names = ("q", "scale", *(op.stats_outputs if plan.return_stats else ()))
+    outs = dict(zip(names, entries, strict=False))
+    inputs = {name: given[name] for name in op.arrays}
+    output_aliasing(op, inputs, {**outs, "h": given.get("residual_out")})
+    return outs
+
+
+def _returned(
+    call: Call, outs: dict[str, Any], q: Any, scale: Any, h: Any, stats: tuple[Any, ...]
+) -> Any:
+    """The call's results: q and scale (in the caller's arrays when given), h when returned,
+    then the statistics."""
     if outs:
         q = _into(outs.get("q"), q)
         scale = _into(outs.get("scale"), scale)
-    head = (q, scale, h) if plan.return_residual else (q, scale)
+    head = (q, scale, h) if call.plan.return_residual else (q, scale)
     return (*head, *stats)
 
 
 def _native_plan(call: Call, choice: Choice) -> Any:
-    """The plan the chosen backend's ``quantized`` function gets for ``call`` (with
-    ``quantize`` and ``quantize_scale`` set), or None when the core composes the call
-    (:func:`native`); cached on the call, per backend."""
+    """The plan the chosen backend's ``quantized`` function gets for ``call``: with
+    ``quantize`` and ``quantize_scale`` set; cached on the call, per backend."""
     key = ("quantized", choice.backend)
     if key not in call.routes:
-        call.routes[key] = (
-            dataclasses.replace(
-                call.plan, quantize=call.quantize, quantize_scale=call.quantize_scale
-            )
-            if native(call, choice)
-            else None
+        call.routes[key] = dataclasses.replace(
+            call.plan, quantize=call.quantize, quantize_scale=call.quantize_scale
         )
     return call.routes[key]
 
@@ -122,7 +148,7 @@ def _composed(
     call: Call,
     given: dict[str, Any],
     outs: dict[str, Any],
-    base_run: Callable[[Op, tuple[Any, ...]], Any],
+    base_run: BaseRun,
 ) -> tuple[Any, Any, Any, tuple[Any, ...]]:
     """q, scale, h (None for an op without) and the statistics: the backend's y in float32,
     then :func:`reference`."""
@@ -131,12 +157,7 @@ def _composed(
     h = None
     source = x
     if op.base is not None:
-        residual = given["residual"]
-        h = arrays.astype(x, residual.dtype) + residual if call.residual_stream else x + residual
-        if given["residual_out"] is not None:
-            arrays.copy_into(given["residual_out"], h)
-            h = given["residual_out"]
-        source = h
+        h = source = residual_sum(call, given)
     base = OPS[op.base] if op.base is not None else op
     float32 = _library_dtype(x, "float32")
     widened = {**given}
@@ -318,3 +339,14 @@ def q_dtype_of(like: Any, mode: str) -> Any:
 def _library_dtype(like: Any, name: str) -> Any:
     """The dtype named ``name`` in ``like``'s library."""
     return getattr(array_api_compat.array_namespace(like), name)
+
+
+OPTION: Final = Option(
+    title="quantized outputs",
+    capabilities=frozenset({"quantize"}),
+    applies=lambda call: call.quantize is not None,
+    native=native,
+    describe=described,
+    compose=compose,
+    serve=serve,
+)

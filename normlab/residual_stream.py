@@ -7,7 +7,7 @@ the stream in float32: ``h = float32(x) + residual``, kept in float32 (written t
 
 A backend whose record declares the capability ``"residual_stream"`` (the numba backend) takes
 such a call as given (``plan.residual_dtype``: :func:`native`). For the others (and under
-normlab's custom ops) the core serves it (:func:`run`): the family's conversion and add, then
+normlab's custom ops) the core serves it (:func:`compose`): the family's conversion and add, then
 the base op (``layer_norm``/``rms_norm``) of the float32 ``h`` as any call of it (validated,
 chosen, parameters formed, seen by torch's autograd), then ``y`` rounded to x's dtype (written
 into ``out`` when given). Every step is elementwise or per
@@ -16,36 +16,35 @@ row, so a row's bits do not depend on its batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from normlab import arrays
 from normlab.dispatch import Choice
-from normlab.ops import OPS, Op
+from normlab.ops import OPS
+from normlab.option import BaseRun, Option
+from normlab.residual import residual_sum
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
 
-__all__ = ["native", "run"]
+__all__ = ["OPTION", "compose", "native"]
 
 
 def native(call: Call, choice: Choice) -> bool:
-    """Whether the chosen backend (as the call runs it) takes ``call`` as given: no float32
-    stream, or a backend that declares ``"residual_stream"``."""
-    return not call.residual_stream or "residual_stream" in choice.backend.capabilities
+    """Whether the chosen backend (as the call runs it) takes the float32 stream of ``call``
+    as given: it declares ``"residual_stream"``."""
+    return "residual_stream" in choice.backend.capabilities
 
 
-def run(call: Call, args: tuple[Any, ...], base_run: Callable[[Op, tuple[Any, ...]], Any]) -> Any:
+def compose(call: Call, args: tuple[Any, ...], choice: Choice, base_run: BaseRun) -> Any:
     """What the fused op of ``call`` (its residual float32, x half) returns; ``base_run`` runs
-    a call of the base op from its arguments in table order (the public route)."""
+    a call of the base op from its arguments in table order (the public route), where it is
+    chosen afresh (``choice``, the fused call's, is not used)."""
     op, plan = call.op, call.plan
     given = dict(zip(op.arguments, args, strict=True))
     if call.outputs:
         output_aliasing(op, {name: given[name] for name in op.arrays}, call.given_outputs(args))
-    x, residual, out = given["x"], given["residual"], given["out"]
-    h = arrays.astype(x, residual.dtype) + residual
-    if given["residual_out"] is not None:
-        arrays.copy_into(given["residual_out"], h)
-        h = given["residual_out"]
+    x, out = given["x"], given["out"]
+    h = residual_sum(call, given)
     assert op.base is not None, op.name
     base = OPS[op.base]
     # y goes into out after its rounding; the statistics (float32 either way) straight there
@@ -69,3 +68,29 @@ def run(call: Call, args: tuple[Any, ...], base_run: Callable[[Op, tuple[Any, ..
     if not plan.return_stats and not plan.return_residual:
         return y
     return (*head, *stats)
+
+
+def described(call: Call, choice: Choice, natively: bool) -> str:
+    """explain()'s line on the float32 stream of ``call``: taken as given, or composed."""
+    plan = call.plan
+    if natively:
+        return (
+            f"residual is float32 beside {plan.dtype} x; {choice.backend.name} takes it as "
+            "given: h = float32(x) + residual kept in float32, y the norm of that h in x's dtype"
+        )
+    base = call.op.base
+    return (
+        f"residual is float32 beside {plan.dtype} x; the core adds float32(x) + residual in "
+        f"float32 with x's library, runs {base} of that h as a call of its own "
+        f"(explain(h, op={base!r}) shows its choice) and rounds y to x's dtype"
+    )
+
+
+OPTION: Final = Option(
+    title="residual stream",
+    capabilities=frozenset({"residual_stream"}),
+    applies=lambda call: call.residual_stream,
+    native=native,
+    describe=described,
+    compose=compose,
+)

@@ -32,7 +32,7 @@ from typing import Any, Final
 
 import torch
 
-from normlab import registry, route, spec
+from normlab import pipeline, registry, route, spec
 from normlab.constants import stats_dtype_for
 from normlab.dispatch import Choice
 from normlab.hookspecs import Plan
@@ -269,10 +269,9 @@ def _in_graph_function(op: Op, backend: str) -> Callable[..., tuple[Any, ...]]:
     return function
 
 
-#: What a backend's record claims that its custom ops do not.
-_NOT_IN_GRAPH: Final = frozenset(
-    {"out", "inplace", "weight_offset", "parameter_dtypes", "residual_stream", "quantize"}
-)
+#: What a backend's record claims that its custom ops do not: writing into outputs, and
+#: serving any option natively (the core composes every option in torch's ops).
+_NOT_IN_GRAPH: Final = frozenset({"out", "inplace"}) | pipeline.CAPABILITIES
 
 
 class InGraph(Backend):
