@@ -280,13 +280,7 @@ def test_half_parameter_gradients_sum_in_float32(
     through torch autograd of the forward where the family is torch and the graph is kept."""
     s = normlab_subject
     s.require_dtype(dtype)
-    if route == "backward op":
-        _require(s, op)
-    else:
-        s.require_op(op)
-        s.require_graph(op)
-        if s.family != "torch":
-            pytest.skip(f"autograd records torch tensors; {s.name!r} is tested with {s.family}")
+    _require_route(s, op, route)
     weight = dtype if param == "x's dtype" else "float32"
     forward = Case(
         (HALF_SUM_ROWS, 64),
@@ -297,6 +291,23 @@ def test_half_parameter_gradients_sum_in_float32(
         bias=weight if op == "layer_norm" else None,
         op=op,
     )
+    _check_route(s, forward, route)
+
+
+def _require_route(s: Subject, op: str, route: str) -> None:
+    """Skip, saying why, unless ``s`` serves ``route``: the backward op of ``op``, or torch
+    autograd of the forward (a torch family whose graph is kept)."""
+    if route == "backward op":
+        _require(s, op)
+        return
+    s.require_op(op)
+    s.require_graph(op)
+    if s.family != "torch":
+        pytest.skip(f"autograd records torch tensors; {s.name!r} is tested with {s.family}")
+
+
+def _check_route(s: Subject, forward: Case, route: str) -> None:
+    """The gradients of ``forward`` through ``route`` against the float64 oracle."""
     if route == "backward op":
         BackwardCase(forward).check(s.name)
     else:
@@ -328,13 +339,7 @@ def test_half_backward_of_constant_rows(
     through torch autograd of the forward (parameters in x's dtype or float32)."""
     s = normlab_subject
     s.require_dtype(dtype)
-    if route == "backward op":
-        _require(s, op)
-    else:
-        s.require_op(op)
-        s.require_graph(op)
-        if s.family != "torch":
-            pytest.skip(f"autograd records torch tensors; {s.name!r} is tested with {s.family}")
+    _require_route(s, op, route)
     values, eps = CONSTANT_ROWS[rows]
     weight = dtype if param == "x's dtype" else "float32"
     forward = Case(
@@ -347,10 +352,7 @@ def test_half_backward_of_constant_rows(
         eps=eps,
         op=op,
     )
-    if route == "backward op":
-        BackwardCase(forward).check(s.name)
-    else:
-        _check_autograd(s, forward)
+    _check_route(s, forward, route)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
