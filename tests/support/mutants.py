@@ -102,36 +102,6 @@ FLAWS: Final = {
 #: The flaws proper (every one but the control).
 MUTANTS: Final = tuple(flaw for flaw in FLAWS if flaw != "control")
 
-#: flaw -> the ``-k`` expression of the suite tests that must catch it, for flaws that need
-#: not run the whole suite (the suite's CI time stays flat).
-ONLY: Final = {
-    "reads_x_after_writing": "in_place",
-    "writes_into_x": "x_never_modified",
-    "prepared_one_ulp_off": "x_never_modified",
-    "rows_past_65535": "boundary_shapes",
-    "drops_tail_block": "boundary_shapes",
-    "stats_wrap_65536": "boundary_shapes",
-    "overflow_squares": "magnitudes",
-    "flush_subnormals": "magnitudes",
-    "row_count_order": "row_alone_and_in_any_batch or batch_independence",
-    "two_roundings": "as_accurate_as_torch or matches_reference or large_offsets",
-    "bwd_row_count_order": "backward_rows_alone or backward_matches_reference",
-    "bwd_half_sums": "half_parameter_gradients or backward_matches_reference or backward_affine",
-    "torch_half_sums": "half_parameter_gradients or autograd_gradients",
-    **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
-    **dict.fromkeys(("offset_in_x_dtype", "offset_ignored", "offset_on_bias"), "weight_offset"),
-    "stream_rounded_h": "residual_stream",
-    **dict.fromkeys(
-        (
-            "quant_round_half_away",
-            "quant_scale_from_half_y",
-            "quant_no_saturation",
-            "quant_per_tensor_scale",
-        ),
-        "quantize",
-    ),
-}
-
 #: flaw -> tests of the suite before batch invariance, float32 accuracy and 4096-row half
 #: gradients were promised, which the flaw passes (the new tests are what catches it).
 ESCAPES: Final = {
@@ -170,6 +140,40 @@ QUANTIZE_FLAWS: Final = frozenset(flaw for flaw in FLAWS if flaw.startswith("qua
 
 #: The flaws of a torch-family mutant (normlab's torch backend with one fix undone).
 TORCH_FLAWS: Final = frozenset({"torch_half_sums"})
+
+#: flaw -> the ``-k`` expression of the suite tests that must catch it, for flaws that need
+#: not run the whole suite (the suite's CI time stays flat). A flaw of one op or direction runs
+#: that op's or direction's tests: its other kernels are the control's, which passes the whole
+#: suite.
+ONLY: Final = {
+    **dict.fromkeys(RMS_FLAWS, "rms_norm"),
+    **dict.fromkeys(BACKWARD_FLAWS, "backward"),
+    "bwd_row_count_order": "backward_rows_alone or backward_matches_reference",
+    "bwd_half_sums": "half_parameter_gradients or backward_matches_reference or backward_affine",
+    "reads_x_after_writing": "in_place",
+    "writes_into_x": "x_never_modified",
+    "prepared_one_ulp_off": "x_never_modified",
+    "rows_past_65535": "boundary_shapes",
+    "drops_tail_block": "boundary_shapes",
+    "stats_wrap_65536": "boundary_shapes",
+    "overflow_squares": "magnitudes",
+    "flush_subnormals": "magnitudes",
+    "row_count_order": "row_alone_and_in_any_batch or batch_independence",
+    "two_roundings": "as_accurate_as_torch or matches_reference or large_offsets",
+    "torch_half_sums": "half_parameter_gradients or autograd_gradients",
+    **dict.fromkeys(("normalize_before_rounding", "forgets_h", "h_into_out"), "fused or add_"),
+    **dict.fromkeys(("offset_in_x_dtype", "offset_ignored", "offset_on_bias"), "weight_offset"),
+    "stream_rounded_h": "residual_stream",
+    **dict.fromkeys(
+        (
+            "quant_round_half_away",
+            "quant_scale_from_half_y",
+            "quant_no_saturation",
+            "quant_per_tensor_scale",
+        ),
+        "quantize",
+    ),
+}
 
 #: The ops each kind of mutant provides.
 _FORWARD_OPS: Final = frozenset(FORWARD_OPS)
