@@ -41,6 +41,13 @@ XDIST = "pytest-xdist==3.8.0"
 PARALLEL = ("-n", "auto")
 
 
+def _install(session: nox.Session, *requirements: str) -> None:
+    """``pip install --no-compile``: a session's venv is new and most of what it installs is
+    never imported (torch's .pyc alone took 18 of the 26 s of its install); Python compiles
+    what a session does import when it first imports it."""
+    session.install("--no-compile", *requirements)
+
+
 def _isolate(session: nox.Session) -> None:
     """Point Numba's and NVRTC's caches (and TMPDIR) at this session's own temporary folder."""
     tmp = Path(session.create_tmp())
@@ -52,7 +59,7 @@ def _isolate(session: nox.Session) -> None:
 def tests_numpy(session: nox.Session) -> None:
     """The tests with NumPy only: whatever needs torch, numba or cupy skips, saying why."""
     _isolate(session)
-    session.install(".[test]", XDIST)
+    _install(session, ".[test]", XDIST)
     session.run("pytest", *PARALLEL, *session.posargs)
 
 
@@ -60,7 +67,7 @@ def tests_numpy(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """The tests with every backend library and the example plugin installed."""
     _isolate(session)
-    session.install(".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN, XDIST)
+    _install(session, ".[test,numba,torch,cupy,bfloat16,models]", EXAMPLE_PLUGIN, XDIST)
     session.env["NORMLAB_REQUIRE_MODELS"] = "1"  # the MiniLM test must run, not skip
     session.run("pytest", *PARALLEL, "tests", f"{EXAMPLE_PLUGIN}/tests", *session.posargs)
 
@@ -78,7 +85,7 @@ def nvrtc_floor(session: nox.Session) -> None:
     """The CUDA kernels nearest the register cap compiled with the oldest NVRTC the cupy extra
     allows, that wheel alone (tests-all compiles every kernel with the newest)."""
     _isolate(session)
-    session.install(".[test]", f"nvidia-cuda-nvrtc=={_nvrtc_floor()}")
+    _install(session, ".[test]", f"nvidia-cuda-nvrtc=={_nvrtc_floor()}")
     session.env["NORMLAB_NVRTC_FLOOR"] = "1"
     session.run("pytest", "tests/backends/cuda/test_cuda_nvrtc_floor.py", *session.posargs)
 
@@ -88,7 +95,7 @@ def plugin_jax(session: nox.Session) -> None:
     """The normlab-jax plugin, installed as a user would: its tests, then the conformance suite
     on it run by pytest (as docs/testing.md shows), so that every core takes a share of it."""
     _isolate(session)
-    session.install(".[test]", "./plugins/normlab-jax[test]", XDIST)
+    _install(session, ".[test]", "./plugins/normlab-jax[test]", XDIST)
     in_process = "not test_conformance_suite"  # the plugin's own test runs the suite in one process
     session.run("pytest", *PARALLEL, "plugins/normlab-jax", "-k", in_process, *session.posargs)
     session.run(
@@ -105,14 +112,14 @@ def plugin_jax(session: nox.Session) -> None:
 def plugin_dask(session: nox.Session) -> None:
     """The normlab-dask plugin: its tests on a 2-process LocalCluster, the suite included."""
     _isolate(session)
-    session.install(".[test,numba]", "./plugins/normlab-dask[test]")
+    _install(session, ".[test,numba]", "./plugins/normlab-dask[test]")
     session.run("pytest", "plugins/normlab-dask", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff: lint rules and formatting; import-linter: the import layers (pyproject.toml)."""
-    session.install(RUFF, IMPORT_LINTER)
+    _install(session, RUFF, IMPORT_LINTER)
     session.run("ruff", "check", *LINT_PATHS)
     session.run("ruff", "format", "--check", *LINT_PATHS)
     session.run("lint-imports")  # reads the source only: normlab need not be installed
@@ -121,7 +128,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def types(session: nox.Session) -> None:
     """mypy, strict, on the normlab package."""
-    session.install(MYPY, ".[test,numba,torch,bfloat16]")  # typed against the real libraries
+    _install(session, MYPY, ".[test,numba,torch,bfloat16]")  # typed against the real libraries
     session.run("mypy", *session.posargs)
 
 
@@ -130,7 +137,7 @@ def docs(session: nox.Session) -> None:
     """Build the site strictly (its generated examples run), then test every code example."""
     _isolate(session)
     session.env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2.0
-    session.install(".[docs,numba,test]", RUFF)  # test: the tests' own needs; ruff: signatures
+    _install(session, ".[docs,numba,test]", RUFF)  # test: the tests' own needs; ruff: signatures
     site = Path(session.create_tmp()) / "site"
     session.run("mkdocs", "build", "--strict", "--site-dir", str(site))
     session.env["NORMLAB_SITE_DIR"] = str(site)  # test_docs scans the built HTML
@@ -146,7 +153,7 @@ BENCH_PEERS = ("onnxruntime==1.31.1", "onnx==1.23.2")
 def bench(session: nox.Session) -> None:
     """The full benchmark matrix with its peers, within its 45-minute budget, then the page."""
     _isolate(session)
-    session.install(".[bench,numba,torch,bfloat16]", *BENCH_PEERS)
+    _install(session, ".[bench,numba,torch,bfloat16]", *BENCH_PEERS)
     session.run("python", "benchmarks/run.py", "--full", *session.posargs)
 
 
@@ -154,7 +161,7 @@ def bench(session: nox.Session) -> None:
 def bench_quick(session: nox.Session) -> None:
     """A quick pass over the benchmark matrix."""
     _isolate(session)
-    session.install(".[bench,numba,torch,bfloat16]")
+    _install(session, ".[bench,numba,torch,bfloat16]")
     session.run("python", "benchmarks/run.py", "--quick", *session.posargs)
 
 
@@ -189,7 +196,7 @@ FUZZ_CORPUS = "fuzz/corpus"
 def fuzz(session: nox.Session) -> None:
     """Replay the committed fuzz corpus, then a fixed-seed search of fixed length."""
     _isolate(session)
-    session.install(".[test,numba]", "atheris")
+    _install(session, ".[test,numba]", "atheris")
     tmp = Path(session.create_tmp())
     session.run(
         "python",
@@ -210,7 +217,7 @@ def fuzz_explore(session: nox.Session) -> None:
     the gating ``fuzz`` session replays it from then on.
     """
     _isolate(session)
-    session.install(".[test,numba]", "atheris")
+    _install(session, ".[test,numba]", "atheris")
     seed = str(secrets.randbelow(2**31 - 1) + 1)
     session.log(f"fuzz-explore seed: {seed} (rerun with -- -seed={seed})")
     findings = Path("fuzz/findings")
@@ -237,7 +244,7 @@ def boundscheck(session: nox.Session) -> None:
     """The conformance suite on numba, every kernel compiled afresh with bounds checks, on NumPy
     arrays and on CPU torch tensors (whose small calls take the kernels by address)."""
     _isolate(session)
-    session.install(".[test,numba,torch]", XDIST)
+    _install(session, ".[test,numba,torch]", XDIST)
     session.env["NORMLAB_SLOW_TESTS"] = "1"
     session.run("pytest", *PARALLEL, "tests/backends/numba/test_boundscheck.py", *session.posargs)
 
@@ -245,5 +252,5 @@ def boundscheck(session: nox.Session) -> None:
 @nox.session
 def wheel(session: nox.Session) -> None:
     """Build sdist and wheel, install the wheel in a fresh venv, run the suite from there."""
-    session.install("build")
+    _install(session, "build")
     session.run("bash", "scripts/check_wheel.sh", "python", external=True)

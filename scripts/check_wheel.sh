@@ -44,7 +44,7 @@ echo "== install the wheel into a fresh virtual environment"
 "$python" -m venv "$work/venv"
 venv_python="$work/venv/bin/python"
 "$venv_python" -m pip install --quiet --upgrade pip
-"$venv_python" -m pip install --quiet "$wheel[test,numba]"
+"$venv_python" -m pip install --quiet --no-compile "$wheel[test,numba]"
 
 cd "$work"  # not the source tree: only the installed package can be imported
 export NORMLAB_CACHE_DIR="$work/normlab-cache"
