@@ -156,71 +156,75 @@ def _fake(op: Op) -> Callable[..., tuple[Tensor, ...]]:
 
 
 def _register_autograd(op: Op, custom: Any) -> None:
-    """``op``'s gradient: the custom op of its base op's backward, on what the forward saved."""
+    """``op``'s gradient, from its table row: the custom op of its backward op (its base op's,
+    for a fused op) on what the forward saved, and to each input that requires grad, in the
+    input's dtype, the gradient ``op.gradient_map`` gives it. When the normalized input is also
+    an output (a fused op's ``h = x + residual``), the gradient arriving at it joins the
+    backward op's gradient of its ``x``: ``dx = dresidual = dh + dx_norm``."""
     assert op.gradient_op is not None, op.name
     backward = OPS[op.gradient_op]
     takes, returns = _takes(op), _returns(op)
-    normalized = "h" if op.base is not None else "x"  # the array the base op normalized
+    gradient_of = dict(op.gradient_map)
+    normalized = "h" if op.arithmetic.residual_add else "x"  # the array the norm normalized
+    saved = tuple(name for name in _takes(backward) if name != "dy")  # x, stats, parameters
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         given = dict(zip(takes, inputs, strict=False))
         results = dict(zip(returns, output, strict=True))
-        source = results if normalized in results else given
-        ctx.save_for_backward(
-            source[normalized], given.get("weight"), *(results[s] for s in backward.stats)
-        )
+        arrays = {**given, **results}
+        arrays["x"] = arrays[normalized]  # the backward op's x: what the norm normalized
+        ctx.save_for_backward(*(arrays.get(name) for name in saved))
         ctx.backend = inputs[-1]
         ctx.dtypes = {name: None if t is None else t.dtype for name, t in given.items()}
         ctx.mark_non_differentiable(*(results[s] for s in op.stats_outputs))
 
     def gradient(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
-        normalized_input, weight, *stats = ctx.saved_tensors
         arriving = dict(zip(returns, grads, strict=True))
         need = dict(zip(takes, ctx.needs_input_grad, strict=False))
         wanted = {
-            "x": any(need[name] for name in op.like_x),
-            "weight": need.get("weight", False),
-            "bias": need.get("bias", False),
+            g: any(need[name] for name in takes if gradient_of.get(name) == g)
+            for g in backward.gradients
         }
-        flags = tuple(wanted[g] for g in backward.gradients)
-        results = dict(
+        arrays = {"dy": arriving["y"], **dict(zip(saved, ctx.saved_tensors, strict=True))}
+        computed = dict(
             zip(
                 backward.gradients,
                 _CUSTOM[backward.name](
-                    arriving["y"], normalized_input, *stats, weight, *flags, ctx.backend
+                    *(arrays[name] for name in _takes(backward)),
+                    *wanted.values(),
+                    ctx.backend,
                 ),
                 strict=True,
             )
         )
-        dx = results["x"]
-        if wanted["x"] and arriving.get("h") is not None:
-            dx = dx + arriving["h"]  # h = x + residual: both get dh + dx
-        grads_of_inputs: list[Any] = []
-        for name in takes:
-            if not need[name]:
-                grads_of_inputs.append(None)
-            elif name in op.like_x:
-                grads_of_inputs.append(dx)
-            else:
-                grads_of_inputs.append(results[name].to(ctx.dtypes[name]))
+        if normalized != "x" and arriving.get(normalized) is not None and wanted["x"]:
+            computed["x"] = computed["x"] + arriving[normalized]
         scalars = len(ctx.needs_input_grad) - len(takes)
-        return (*grads_of_inputs, *(None,) * scalars)
+        return (
+            *(
+                computed[gradient_of[name]].to(ctx.dtypes[name]) if need[name] else None
+                for name in takes
+            ),
+            *(None,) * scalars,
+        )
 
     custom.register_autograd(gradient, setup_context=setup_context)
 
 
 def _custom_op(op: Op) -> Any:
+    """``op``'s custom op: its function, its fake and (a forward or fused op) its gradient, all
+    from its table row."""
     custom = torch.library.custom_op(
         f"normlab::{op.name}", _implementation(op), mutates_args=(), schema=_schema(op)
     )
     custom.register_fake(_fake(op))
+    if op.gradient_op is not None:
+        _register_autograd(op, custom)
     return custom
 
 
+#: Each op's custom op, by name (a gradient looks up its backward op's here when it runs).
 _CUSTOM: Final[dict[str, Any]] = {name: _custom_op(op) for name, op in OPS.items()}
-for _name, _op in OPS.items():
-    if _op.gradient_op in OPS:
-        _register_autograd(_op, _CUSTOM[_name])
 
 
 def _custom(op: Op) -> Any:
