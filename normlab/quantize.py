@@ -40,7 +40,7 @@ from normlab.option import BaseRun, Option
 from normlab.residual import residual_sum
 from normlab.spec import Call
 from normlab.spec.aliasing import output_aliasing
-from normlab.spec.casting import promoted
+from normlab.spec.casting import CASTINGS, promoted
 from normlab.spec.quantize import LIMITS, q_dtype
 
 __all__ = ["OPTION", "compose", "e4m3_bits", "native", "q_dtype_of", "reference", "serve"]
@@ -167,7 +167,8 @@ def _composed(
             if given[name] is not None:
                 widened[name] = arrays.detach(given[name])
     weight = widened["weight"]
-    if call.casting == "llama":  # x̂ alone (the weight multiplies it below)
+    rounds_in_x_dtype = CASTINGS[call.casting].normalized == "x"
+    if rounds_in_x_dtype:  # x̂ alone, of x itself (the weight multiplies it below)
         widened.update(weight=None, casting="exact")
     elif arrays.info(source).dtype != "float64":
         source = arrays.astype(source, float32)
@@ -189,17 +190,18 @@ def _composed(
     result = base_run(base, tuple(base_given[name] for name in base.arguments))
     y, stats = (result[0], tuple(result[1:])) if plan.return_stats else (result, ())
     with _silently(y):  # a float64 y beyond float32's range rounds to inf, as natively
-        if call.casting == "llama":
-            y = _llama_product(y, weight, x, plan)
+        if rounds_in_x_dtype:
+            y = _product_of_rounded(y, weight, x, plan)
         if arrays.info(y).dtype != "float32":
             y = arrays.astype(y, float32)
         q, scale = _quantized(y, call.quantize or "", call.quantize_scale, plan.axes)
     return q, scale, h, stats
 
 
-def _llama_product(xhat: Any, weight: Any, x: Any, plan: Any) -> Any:
-    """y of ``casting="llama"`` before its quantizer: ``xhat`` (of a float32 stream's h too)
-    rounded to x's dtype, times the weight in the promotion of both and float32, unrounded."""
+def _product_of_rounded(xhat: Any, weight: Any, x: Any, plan: Any) -> Any:
+    """y before its quantizer for a casting order that rounds x̂ to x's dtype (``"llama"``):
+    ``xhat`` (of a float32 stream's h too) rounded to x's dtype, times the weight in the
+    promotion of both and float32, unrounded."""
     if arrays.info(xhat).dtype != plan.dtype:
         xhat = arrays.astype(xhat, x.dtype)
     product = _library_dtype(x, promoted(promoted(plan.dtype, plan.weight_dtype), "float32"))

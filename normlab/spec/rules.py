@@ -104,10 +104,12 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     quantize = quantize_mode(given.get("quantize"))
     quantize_scale = static_scale(given.get("quantize_scale"), quantize)
     check_family(quantize, xi.family)
-    if quantize is not None and casting == "t5":
+    unquantizable = CASTINGS[casting].unquantizable
+    if quantize is not None and unquantizable is not None:
+        served = " or ".join(repr(c.name) for c in CASTINGS.values() if c.unquantizable is None)
         raise ArgumentError(
-            "quantize= with casting='t5' is not served: T5's order rounds x̂ to the weight's "
-            "dtype, so its float32 y is not defined; use casting='exact' or 'llama'"
+            f"quantize= with casting={casting!r} is not served: {unquantizable}; use "
+            f"casting={served}"
         )
     eps = _eps(op, given.get("eps"), compute)
     return_stats = given.get("return_stats", False)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import normlab
+from normlab import spec
 
 torch = pytest.importorskip("torch")
 
@@ -97,3 +98,37 @@ def test_explain_and_errors() -> None:
     x = torch.randn(4, 32).to(torch.bfloat16)
     with pytest.raises(normlab.ArgumentError, match="casting must be one of"):
         normlab.rms_norm(x, weight=torch.ones(32), casting="gemma")
+
+
+@pytest.mark.parametrize("rounds", ["x", "half weight"])
+def test_a_casting_order_is_a_row_of_data(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, rounds: str
+) -> None:
+    """An order is one row of CASTINGS (its rounding point), read by validation, the
+    composition, quantized outputs and the torch module alike: a row named otherwise, with
+    llama's or T5's rounding point, gives that order's bits and errors."""
+    import normlab.torch
+    from normlab.spec.casting import CASTINGS, Casting
+
+    known = next(order for order in CASTINGS.values() if order.normalized == rounds)
+    row = Casting("engine", rounds, unquantizable=known.unquantizable)
+    monkeypatch.setitem(CASTINGS, "engine", row)
+    spec.clear_cache()  # validated calls of an earlier "engine" row are gone
+    request.addfinalizer(spec.clear_cache)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(256, generator=gen).to(torch.float16)
+    got = normlab.rms_norm(x, weight=weight, casting="engine")
+    want = normlab.rms_norm(x, weight=weight, casting=known.name)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    module = normlab.torch.RMSNorm(256, casting="engine")
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    assert module.to(torch.float16)(x).dtype == want.dtype
+    if known.unquantizable is None:
+        q, scale = normlab.rms_norm(x, weight=weight, casting="engine", quantize="int8")
+        q_want, scale_want = normlab.rms_norm(x, weight=weight, casting=known.name, quantize="int8")
+        assert torch.equal(q, q_want) and torch.equal(scale, scale_want)
+    else:
+        with pytest.raises(normlab.ArgumentError, match="casting='engine' is not served"):
+            normlab.rms_norm(x, weight=weight, casting="engine", quantize="int8")
