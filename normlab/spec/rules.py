@@ -104,12 +104,11 @@ def validate(op: Op, args: tuple[Any, ...]) -> Call:
     quantize = quantize_mode(given.get("quantize"))
     quantize_scale = static_scale(given.get("quantize_scale"), quantize)
     check_family(quantize, xi.family)
-    unquantizable = CASTINGS[casting].unquantizable
-    if quantize is not None and unquantizable is not None:
+    if quantize is not None and CASTINGS[casting].unquantizable is not None:
         served = " or ".join(repr(c.name) for c in CASTINGS.values() if c.unquantizable is None)
         raise ArgumentError(
-            f"quantize= with casting={casting!r} is not served: {unquantizable}; use "
-            f"casting={served}"
+            f"quantize= with casting={casting!r} is not served: "
+            f"{CASTINGS[casting].unquantizable}; use casting={served}"
         )
     eps = _eps(op, given.get("eps"), compute)
     return_stats = given.get("return_stats", False)
