@@ -58,7 +58,11 @@ def _run(op: Op, args: tuple[Any, ...], named: str | None) -> Any:
     while torch's compiler traces it, one node of its graph (:func:`_in_graph`)."""
     if dynamo.traces():
         return _in_graph(op.name, args, named)
-    return _validated_run(op, args, named)
+    # _validated_run's lines, written out: a call outside a trace takes one frame fewer
+    call = spec.validated(op, args)
+    if call.reshaped:
+        return _reshaped(op, call, args, named)
+    return _routed(op, call, dispatch.choose(call.plan, named), args, args)
 
 
 @dynamo.register_node
