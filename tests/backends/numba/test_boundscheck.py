@@ -6,9 +6,8 @@ on-disk cache (normlab's kernels are ``cache=True``) keeps the setting it was co
 every run here gets an empty ``NUMBA_CACHE_DIR``, and each proves the check is in force with a
 deliberately out-of-bounds kernel (:mod:`tests.support.oob_kernel`) before it trusts a clean result.
 
-The whole conformance suite under bounds checks takes minutes (its two halves, on NumPy arrays
-and on torch tensors, run side by side): it runs with ``NORMLAB_SLOW_TESTS=1`` (the nox session
-``boundscheck``).
+The whole conformance suite under bounds checks takes about half a minute: it runs with
+``NORMLAB_SLOW_TESTS=1`` (the nox session ``boundscheck``).
 """
 
 from __future__ import annotations
@@ -180,75 +179,56 @@ def test_fused_kernel_tests_with_bounds_checks(tmp_path: Path) -> None:
     assert result["exit_code"] == 0
 
 
-#: The conformance suite's two halves under bounds checks: on NumPy arrays, and on CPU torch
-#: tensors (small contiguous ones through the address entries) without the backward area, whose
-#: kernels take the same arrays either way. Each half runs in its own child, so the halves run
-#: on two cores.
-SUITE_HALVES = {
-    "numpy": 'normlab.testing.check("numba", extra_pytest_args=args)',
-    "torch": 'normlab.testing.check("numba", arrays="torch", extra_pytest_args=[*args, "-k", '
-    '"not test_backward"])',
-}
-
-#: The half's report: the suite's exit code, the address entries' signatures that ran, and how
-#: many of the kernels it ran were compiled in the child and loaded from a cache.
-SUITE_REPORT = """
-from numba import types
-from numba.core.dispatcher import Dispatcher
-from normlab.backends import half_bits, numba_addressed, numba_backward, numba_forward, numba_fused
-kernels = [
-    k
-    for m in (half_bits, numba_forward, numba_backward, numba_fused, numba_addressed)
-    for k in vars(m).values()
-    if isinstance(k, Dispatcher)
-]
-print(json.dumps({
-    "exit_code": exit_code,
-    "addressed": sorted(
-        " ".join([k.__name__, str(sig[0].dtype), str(sig[2].dtype)] + (
-            ["with h" if sig[4] != types.none else "without h"]
-            if k.__name__.startswith("add_") else []
-        ))
-        for k in (
-            numba_addressed.layer_norm_rows_at,
-            numba_addressed.add_norm_rows_at,
-            numba_addressed.layer_norm_rows_parallel_at,
-            numba_addressed.add_norm_rows_parallel_at,
-        )
-        for sig in k.signatures
-    ),
-    "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
-    "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
-}))
-"""
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not SLOW, reason="minutes: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
-@pytest.mark.parametrize("arrays", sorted(SUITE_HALVES))
-def test_conformance_suite_with_bounds_checks(tmp_path: Path, arrays: str) -> None:
-    """The conformance suite on numba, every kernel compiled afresh with bounds checks, on
-    ``arrays`` (:data:`SUITE_HALVES`)."""
-    if arrays == "torch":
-        pytest.importorskip("torch", reason="this half runs on torch tensors")
-    code = (
-        PROBE
-        + textwrap.dedent(
-            f"""
-            assert outcome.startswith("IndexError"), "bounds checks are not in force"
-            import normlab.testing
-            args = ["-q", "--tb=short"]
-            exit_code = {SUITE_HALVES[arrays]}
-            """
+@pytest.mark.skipif(not SLOW, reason="half a minute: set NORMLAB_SLOW_TESTS=1 (nox -s boundscheck)")
+def test_conformance_suite_with_bounds_checks(tmp_path: Path) -> None:
+    """The conformance suite on numba, every kernel compiled afresh with bounds checks: on NumPy
+    arrays, then on CPU torch tensors (small contiguous ones through the address entries),
+    there without the backward area, whose kernels take the same arrays either way."""
+    pytest.importorskip("torch", reason="the suite's second half runs on torch tensors")
+    code = PROBE + textwrap.dedent(
+        """
+        assert outcome.startswith("IndexError"), "bounds checks are not in force"
+        import normlab.testing
+        args = ["-q", "--tb=short"]
+        exit_code = normlab.testing.check("numba", extra_pytest_args=args)
+        torch_exit_code = normlab.testing.check(
+            "numba", arrays="torch", extra_pytest_args=[*args, "-k", "not test_backward"]
         )
-        + SUITE_REPORT
+        from numba import types
+        from numba.core.dispatcher import Dispatcher
+        from normlab.backends import (
+            half_bits, numba_addressed, numba_backward, numba_forward, numba_fused
+        )
+        kernels = [
+            k
+            for m in (half_bits, numba_forward, numba_backward, numba_fused, numba_addressed)
+            for k in vars(m).values()
+            if isinstance(k, Dispatcher)
+        ]
+        print(json.dumps({
+            "exit_code": exit_code,
+            "torch_exit_code": torch_exit_code,
+            "addressed": sorted(
+                " ".join([k.__name__, str(sig[0].dtype), str(sig[2].dtype)] + (
+                    ["with h" if sig[4] != types.none else "without h"]
+                    if k.__name__.startswith("add_") else []
+                ))
+                for k in (
+                    numba_addressed.layer_norm_rows_at,
+                    numba_addressed.add_norm_rows_at,
+                    numba_addressed.layer_norm_rows_parallel_at,
+                    numba_addressed.add_norm_rows_parallel_at,
+                )
+                for sig in k.signatures
+            ),
+            "compiled": sum(sum(k.stats.cache_misses.values()) for k in kernels),
+            "loaded": sum(sum(k.stats.cache_hits.values()) for k in kernels),
+        }))
+        """
     )
     result = run_child(code, tmp_path / "cache", boundscheck="1", timeout=900)
-    assert result["exit_code"] == 0, result
-    # every kernel the suite ran was compiled here, with bounds checks, none loaded from a cache
-    assert result["compiled"] > 0 and result["loaded"] == 0, result
-    if arrays == "numpy":
-        return
+    assert result["exit_code"] == 0 and result["torch_exit_code"] == 0, result
     # the address entries for every dtype (the fused one with h and without) ran checked, as
     # did the norms' entries for half parameters (weight and bias in x's half dtype); and the
     # pool's entries (norms and fused) for every dtype
@@ -269,3 +249,5 @@ def test_conformance_suite_with_bounds_checks(tmp_path: Path, arrays: str) -> No
         for element in elements
         for name in ("layer_norm_rows_parallel_at", "add_norm_rows_parallel_at")
     }, result
+    # every kernel the suite ran was compiled here, with bounds checks, none loaded from a cache
+    assert result["compiled"] > 0 and result["loaded"] == 0, result
