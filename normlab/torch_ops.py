@@ -166,7 +166,8 @@ def _register_autograd(op: Op, custom: Any) -> None:
     takes, returns = _takes(op), _returns(op)
     gradient_of = dict(op.gradient_map)
     normalized = "h" if op.arithmetic.residual_add else "x"  # the array the norm normalized
-    saved = tuple(name for name in _takes(backward) if name != "dy")  # x, stats, parameters
+    backward_takes = _takes(backward)
+    saved = tuple(name for name in backward_takes if name != "dy")  # x, stats, parameters
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
         given = dict(zip(takes, inputs, strict=False))
@@ -190,7 +191,7 @@ def _register_autograd(op: Op, custom: Any) -> None:
             zip(
                 backward.gradients,
                 _CUSTOM[backward.name](
-                    *(arrays[name] for name in _takes(backward)),
+                    *(arrays[name] for name in backward_takes),
                     *wanted.values(),
                     ctx.backend,
                 ),
